@@ -1,0 +1,223 @@
+"""Binding of a modattrs attribute to the module that owns it.
+
+Both :class:`~modattrs.VirtualTensor` and :class:`~modattrs.ShapedTensor` are objects stored in their owner's
+``__dict__`` under the attribute's name, and both register tensors and state-dict hooks on the owner under
+*derived* names (``_{name}_ref``, ``_{name}_data``, ...). This module holds what they share:
+
+* validation of the owner and of the names, done before anything is changed;
+* a weak reference to the owner, so that an attribute never keeps its module alive;
+* a finalizer that removes the derived names when the attribute goes away, unless a newer attribute of the
+  same name has claimed them;
+* per-attribute state-dict hooks, dispatched to the attribute currently bound under the name.
+"""
+
+from __future__ import annotations
+
+import functools
+import keyword
+import weakref
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from torch import Tensor, nn
+
+__all__: list[str] = []
+
+
+class OwnedAttribute:
+    """Base of the attributes that a module owns through its ``__dict__``."""
+
+    __slots__ = ("__weakref__", "_finalizer", "_hook_ids", "_name", "_owner_ref")
+
+    #: Suffixes of the names this kind of attribute registers on its owner, e.g. ``("ref",)``.
+    _suffixes: ClassVar[tuple[str, ...]] = ()
+
+    _owner_ref: weakref.ref[nn.Module]
+    _name: str
+    _finalizer: weakref.finalize[Any, Any] | None
+    _hook_ids: tuple[int, int]
+
+    @classmethod
+    def _derived(cls, name: str) -> tuple[str, ...]:
+        return tuple(f"_{name}_{suffix}" for suffix in cls._suffixes)
+
+    @property
+    def name(self) -> str:
+        """Name of the attribute on its owner."""
+        return self._name
+
+    @property
+    def owner(self) -> nn.Module | None:
+        """The module that owns this attribute, or ``None`` once that module is gone."""
+        return self._owner_ref()
+
+    def _live_owner(self) -> nn.Module:
+        owner = self._owner_ref()
+        if owner is None:
+            raise self._owner_gone()
+        return owner
+
+    def _owner_gone(self) -> ReferenceError:
+        return ReferenceError(
+            f"{type(self).__name__} {self._name!r} has no owner: the module it belonged to was deleted. "
+            "Keep a reference to the module for as long as its attributes are used."
+        )
+
+    # Subclasses override these two; the hooks below call them on the attribute bound under the name.
+    def _on_state_dict(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+        pass
+
+    def _on_load(
+        self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
+    ) -> None:
+        pass
+
+
+def check_owner(kind: str, owner: object) -> nn.Module:
+    if not isinstance(owner, nn.Module):
+        raise TypeError(f"{kind} needs an nn.Module as its owner, got {type(owner).__name__}")
+    if "_buffers" not in owner.__dict__:
+        raise RuntimeError(f"{kind} cannot be attached to {type(owner).__name__} before nn.Module.__init__() ran")
+    return owner
+
+
+def check_names(kind: str, owner: nn.Module, name: object, derived: tuple[str, ...]) -> str:
+    """Validate ``name`` and its derived names on ``owner``; raise before anything is changed."""
+    if not isinstance(name, str):
+        raise TypeError(f"{kind} name must be a str, got {type(name).__name__}")
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise ValueError(f"{kind} name must be a Python identifier that is not a keyword, got {name!r}")
+    current = owner.__dict__.get(name)
+    if isinstance(current, OwnedAttribute):
+        # Re-creating an attribute of the same name replaces it; the old one's finalizer keeps what we claim.
+        claimed = set(type(current)._derived(name))
+    else:
+        if _occupied(owner, name):
+            raise ValueError(
+                f"cannot create {kind} {name!r}: {type(owner).__name__} already has an attribute {name!r} "
+                f"({_describe(owner, name)}); choose another name or delete the attribute first"
+            )
+        claimed = set()
+    for derived_name in derived:
+        if derived_name not in claimed and _occupied(owner, derived_name):
+            raise ValueError(
+                f"cannot create {kind} {name!r}: it stores its data as {derived_name!r}, which "
+                f"{type(owner).__name__} already has ({_describe(owner, derived_name)}); choose another name"
+            )
+    return name
+
+
+def _occupied(owner: nn.Module, name: str) -> bool:
+    return (
+        name in owner.__dict__
+        or name in owner._parameters
+        or name in owner._buffers
+        or name in owner._modules
+        or hasattr(type(owner), name)
+    )
+
+
+def _describe(owner: nn.Module, name: str) -> str:
+    if name in owner._parameters:
+        return "a parameter"
+    if name in owner._buffers:
+        return "a buffer"
+    if name in owner._modules:
+        return "a submodule"
+    if name in owner.__dict__:
+        return f"an instance attribute of type {type(owner.__dict__[name]).__name__}"
+    return f"a class attribute of {type(owner).__name__}"
+
+
+def bind(attribute: OwnedAttribute, owner: nn.Module, name: str) -> None:
+    """Install ``attribute`` as ``owner.<name>`` with its finalizer and state-dict hooks.
+
+    Call this only after the derived names were registered: from here on, the attribute's death removes them.
+    """
+    attribute._owner_ref = weakref.ref(owner)
+    attribute._name = name
+    attribute._hook_ids = register_hooks(owner, name)
+    attribute._finalizer = arm_finalizer(attribute, owner)
+    setattr(owner, name, attribute)
+
+
+def arm_finalizer(attribute: OwnedAttribute, owner: nn.Module) -> weakref.finalize[Any, Any]:
+    # The callback and its arguments must not reference the owner strongly: the registry is global, so a
+    # strong reference there would keep the module alive forever.
+    finalizer = weakref.finalize(
+        attribute,
+        _release,
+        attribute._owner_ref,
+        attribute._name,
+        type(attribute)._derived(attribute._name),
+        attribute._hook_ids,
+    )
+    finalizer.atexit = False
+    return finalizer
+
+
+def _release(
+    owner_ref: weakref.ref[nn.Module], name: str, derived: tuple[str, ...], hook_ids: tuple[int, int]
+) -> None:
+    owner = owner_ref()
+    if owner is None:
+        return
+    owner._state_dict_hooks.pop(hook_ids[0], None)
+    owner._load_state_dict_pre_hooks.pop(hook_ids[1], None)
+    current = owner.__dict__.get(name)
+    kept = type(current)._derived(name) if isinstance(current, OwnedAttribute) else ()
+    for derived_name in derived:
+        if derived_name not in kept:
+            remove_registered(owner, derived_name)
+
+
+def remove_registered(owner: nn.Module, name: str) -> None:
+    owner._parameters.pop(name, None)
+    owner._buffers.pop(name, None)
+    owner._non_persistent_buffers_set.discard(name)
+    owner.__dict__.pop(name, None)
+
+
+def register_hooks(owner: nn.Module, name: str) -> tuple[int, int]:
+    """Register the state-dict hooks of attribute ``name`` and return their ids (for removal and copies)."""
+    # Plain functions bound by partial, never bound methods: a module holding a bound method of itself in its
+    # hook dicts would be a reference cycle, freed only by the cyclic garbage collector.
+    save = owner.register_state_dict_post_hook(functools.partial(_state_dict_hook, name))
+    load = owner.register_load_state_dict_pre_hook(functools.partial(_load_pre_hook, name))
+    return save.id, load.id
+
+
+def current_attribute(module: nn.Module, name: str) -> OwnedAttribute | None:
+    attribute = module.__dict__.get(name)
+    return attribute if isinstance(attribute, OwnedAttribute) else None
+
+
+def _state_dict_hook(name: str, module: nn.Module, state_dict: dict[str, Any], prefix: str, _: object) -> None:
+    attribute = current_attribute(module, name)
+    if attribute is not None:
+        attribute._on_state_dict(module, state_dict, prefix)
+
+
+def _load_pre_hook(
+    name: str,
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Mapping[str, Any],
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    attribute = current_attribute(module, name)
+    if attribute is not None:
+        attribute._on_load(module, state_dict, prefix, error_msgs)
+
+
+def stored_tensor(owner: nn.Module, name: str) -> Tensor | None:
+    """The buffer or parameter registered as ``name``; ``KeyError`` when there is neither."""
+    buffers = owner._buffers
+    if name in buffers:
+        return buffers[name]
+    return owner._parameters[name]
+

@@ -1,0 +1,399 @@
+"""``ShapedTensor``: a buffer or parameter whose sizes along some dimensions are fixed."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parameter import UninitializedTensorMixin
+
+from modattrs._attribute import OwnedAttribute, bind, check_names, check_owner, stored_tensor
+
+__all__ = ["ShapedTensor"]
+
+Constraints = dict[int, int]
+
+
+class ShapedTensorAttributes(NamedTuple):
+    """Names that a :class:`ShapedTensor` registers on its owner."""
+
+    #: The buffer or parameter holding the data, ``_{name}_data``.
+    data: str
+    #: The ``state_dict`` key (after the module's prefix) of the constraints, ``_{name}_constraints``.
+    constraints: str
+
+
+class ShapedTensor(OwnedAttribute):
+    """A buffer or parameter attribute whose size along some dimensions is fixed.
+
+    Constraints map a dimension to its required size, ``{1: 64, -1: 3}``: dim 1 must have 64 elements and the
+    last dim 3, the others are free. Negative dims count from the end. The data is registered on the owner as
+    ``_{name}_data``, a buffer or, when ``value`` is an ``nn.Parameter``, a parameter; it follows
+    ``module.to(...)`` like any other.
+
+    Args:
+        owner: the module the attribute belongs to. After construction ``owner.<name>`` is this object.
+        name: the attribute's name on ``owner``.
+        value: the initial data: a tensor, a parameter, or ``None``.
+        constraints: ``{dim: size}``; no constraint when ``None``.
+        persist_data: whether buffer data is in the owner's ``state_dict`` (parameters always are).
+        persist_constraints: whether the constraints are in the owner's ``state_dict`` and restored by
+            ``load_state_dict``.
+        strict: whether a non-negative and a negative dim must name different axes (``{0: 2, -1: 3}`` then
+            needs at least two dims). Without it they may name the same axis, and must then agree.
+        live: whether assigning to :attr:`value` checks the constraints.
+
+    Raises:
+        TypeError: ``owner`` is not a module, ``value`` is not a tensor or ``None``, or the constraints are
+            not ``{int: int}``.
+        ValueError: ``name`` is not an identifier or clashes with an existing attribute, a size is negative,
+            ``value`` violates the constraints, or ``persist_data=False`` was given with a parameter.
+
+    Values that are never checked ("ignored"): ``None``, uninitialized parameters and buffers, and tensors with
+    no element and at most one dim, such as ``torch.empty(0)``.
+    """
+
+    __slots__ = ("_constraints", "_constraints_key", "_data_name", "_live", "_persist_constraints", "_strict")
+
+    LinkedAttributes = ShapedTensorAttributes
+    _suffixes = ("data", "constraints")
+
+    _constraints: Constraints
+    _data_name: str
+    _constraints_key: str
+    _strict: bool
+    _live: bool
+    _persist_constraints: bool
+
+    def __init__(
+        self,
+        owner: nn.Module,
+        name: str,
+        value: Tensor | None,
+        constraints: Mapping[int, int] | None = None,
+        persist_data: bool = True,
+        persist_constraints: bool = False,
+        strict: bool = True,
+        live: bool = False,
+    ) -> None:
+        owner = check_owner("ShapedTensor", owner)
+        derived = self._derived(name) if isinstance(name, str) else ("", "")
+        name = check_names("ShapedTensor", owner, name, derived)
+        checked = _check_constraints(name, {} if constraints is None else constraints)
+        if value is not None and not isinstance(value, Tensor):
+            raise TypeError(f"ShapedTensor {name!r}: value must be a Tensor or None, got {type(value).__name__}")
+        if not _ignored(value) and not _satisfies(value.shape, checked, bool(strict)):
+            raise ValueError(_mismatch(name, value.shape, checked, bool(strict)))
+        is_parameter = isinstance(value, nn.Parameter)
+        if is_parameter and not persist_data:
+            raise ValueError(
+                f"ShapedTensor {name!r}: a parameter is always in the state_dict, so persist_data=False cannot "
+                "hold; pass a plain tensor to store the data as a non-persistent buffer"
+            )
+
+        self._data_name, self._constraints_key = derived
+        self._constraints = checked
+        self._strict = bool(strict)
+        self._live = bool(live)
+        self._persist_constraints = bool(persist_constraints)
+        if is_parameter:
+            owner.register_parameter(self._data_name, value)  # type: ignore[arg-type]
+        else:
+            owner.register_buffer(self._data_name, value, persistent=bool(persist_data))
+        bind(self, owner, name)
+
+    @classmethod
+    def create(
+        cls,
+        owner: nn.Module,
+        name: str,
+        value: Tensor | None,
+        constraints: Mapping[int, int] | None = None,
+        persist_data: bool = True,
+        persist_constraints: bool = False,
+        strict: bool = True,
+        live: bool = False,
+    ) -> ShapedTensor:
+        """Create a :class:`ShapedTensor` on ``owner`` and return it; the same as calling the class."""
+        return cls(owner, name, value, constraints, persist_data, persist_constraints, strict, live)
+
+    @property
+    def attributes(self) -> ShapedTensorAttributes:
+        """Names of what this attribute registered on its owner."""
+        return ShapedTensorAttributes(self._data_name, self._constraints_key)
+
+    @property
+    def value(self) -> Tensor | None:
+        """The stored data.
+
+        Assigning checks the constraints when :attr:`live` is set. A plain tensor assigned to parameter-backed
+        data replaces the parameter's ``.data``, so the ``Parameter`` object (and an optimizer holding it) stays.
+        """
+        owner = self._owner_ref()
+        if owner is None:
+            raise self._owner_gone()
+        return stored_tensor(owner, self._data_name)
+
+    @value.setter
+    def value(self, value: Tensor | None) -> None:
+        owner = self._live_owner()
+        if value is not None and not isinstance(value, Tensor):
+            raise TypeError(
+                f"ShapedTensor {self._name!r}: value must be a Tensor or None, got {type(value).__name__}"
+            )
+        if self._live and not _ignored(value) and not self.compatible(value):
+            raise ValueError(_mismatch(self._name, value.shape, self._constraints, self._strict))
+        self._store(owner, value)
+
+    @property
+    def constraints(self) -> Constraints:
+        """A copy of the constraints, ``{dim: size}``."""
+        return dict(self._constraints)
+
+    @property
+    def dimensionality(self) -> int:
+        """The least number of dims that a tensor needs to satisfy the constraints."""
+        return _dimensionality(self._constraints, self._strict)
+
+    @property
+    def ignored(self) -> bool:
+        """Whether the current value is one that constraints do not apply to (``None``, empty, uninitialized)."""
+        return _ignored(self.value)
+
+    @property
+    def valid(self) -> bool:
+        """Whether the owner is alive and the value is ignored or satisfies the constraints."""
+        if self._owner_ref() is None:
+            return False
+        value = self.value
+        return _ignored(value) or self.compatible(value)
+
+    @property
+    def live(self) -> bool:
+        """Whether assignments to :attr:`value` are checked against the constraints."""
+        return self._live
+
+    @live.setter
+    def live(self, live: bool) -> None:
+        self._live = bool(live)
+
+    @property
+    def strict(self) -> bool:
+        """Whether a non-negative and a negative dim must name different axes."""
+        return self._strict
+
+    @strict.setter
+    def strict(self, strict: bool) -> None:
+        self._strict = bool(strict)
+
+    @property
+    def persist_data(self) -> bool:
+        """Whether the data is in the owner's ``state_dict``; settable for buffer data."""
+        owner = self._live_owner()
+        return self._data_name not in owner._non_persistent_buffers_set
+
+    @persist_data.setter
+    def persist_data(self, persist: bool) -> None:
+        owner = self._live_owner()
+        if self._data_name in owner._parameters:
+            if not persist:
+                raise ValueError(f"ShapedTensor {self._name!r}: parameter data is always in the state_dict")
+            return
+        if persist:
+            owner._non_persistent_buffers_set.discard(self._data_name)
+        else:
+            owner._non_persistent_buffers_set.add(self._data_name)
+
+    @property
+    def persist_constraints(self) -> bool:
+        """Whether the constraints are in the owner's ``state_dict``; settable."""
+        return self._persist_constraints
+
+    @persist_constraints.setter
+    def persist_constraints(self, persist: bool) -> None:
+        self._persist_constraints = bool(persist)
+
+    def compatible(self, tensor: Tensor) -> bool:
+        """Whether ``tensor``'s shape satisfies the constraints (ignored values are not special here)."""
+        return _satisfies(tensor.shape, self._constraints, self._strict)
+
+    def reconstrain(self, dim: int, size: int | None) -> Tensor | None:
+        """Add, change or (with ``size=None``) remove the constraint on ``dim``, and return the value.
+
+        When the data's size along ``dim`` differs from ``size`` it is resized along that dim: shrinking keeps
+        the last elements, growing pads zeros at the head (see :meth:`resize`). Parameter data is resized
+        through ``.data``, keeping the ``Parameter`` object.
+
+        Raises:
+            TypeError: ``dim`` or ``size`` is not an int.
+            ValueError: ``size`` is negative, ``dim`` is not constrained (removal), the data has too few dims,
+                or the result would still violate another constraint. Nothing is changed then.
+        """
+        owner = self._live_owner()
+        dim = _check_int(self._name, "dim", dim)
+        constraints = dict(self._constraints)
+        if size is None:
+            if dim not in constraints:
+                raise ValueError(
+                    f"ShapedTensor {self._name!r}: dim {dim} is not constrained, so there is nothing to remove; "
+                    f"constrained dims: {sorted(constraints)}"
+                )
+            del constraints[dim]
+            self._constraints = constraints
+            return self.value
+        constraints[dim] = _check_size(self._name, dim, size)
+        value = self.value
+        if _ignored(value):
+            self._constraints = constraints
+            return value
+        assert value is not None
+        needed = _dimensionality(constraints, self._strict)
+        if value.dim() < needed:
+            raise ValueError(
+                f"ShapedTensor {self._name!r}: constraining dim {dim} needs at least {needed} dims, but the data "
+                f"has shape {tuple(value.shape)}"
+            )
+        resized = self.resize(value, dim, size)
+        if not _satisfies(resized.shape, constraints, self._strict):
+            raise ValueError(_mismatch(self._name, resized.shape, constraints, self._strict))
+        if resized is not value:
+            self._store(owner, resized)
+        self._constraints = constraints
+        return self.value
+
+    @staticmethod
+    def resize(tensor: Tensor, dim: int, size: int, preserve_tail: bool = True, fill: Any = 0) -> Tensor:
+        """Return ``tensor`` with ``size`` elements along ``dim``.
+
+        With ``preserve_tail`` a shrink keeps the last elements and a grow pads ``fill`` at the head; without
+        it, the first elements are kept and the padding goes at the end. ``tensor`` itself is returned when it
+        has the size already; otherwise a new tensor (never a ``Parameter``) of the same dtype and device,
+        computed without autograd. ``tensor`` is not modified.
+        """
+        if not -tensor.dim() <= dim < tensor.dim():
+            raise IndexError(f"dim {dim} is out of range for a tensor of shape {tuple(tensor.shape)}")
+        if size < 0:
+            raise ValueError(f"size must be non-negative, got {size}")
+        old = tensor.shape[dim]
+        if old == size:
+            return tensor
+        shape = list(tensor.shape)
+        shape[dim] = size
+        kept = min(old, size)
+        with torch.no_grad():
+            out = tensor.new_empty(shape)
+            if preserve_tail:
+                out.narrow(dim, size - kept, kept).copy_(tensor.narrow(dim, old - kept, kept))
+                padding = out.narrow(dim, 0, size - kept)
+            else:
+                out.narrow(dim, 0, kept).copy_(tensor.narrow(dim, 0, kept))
+                padding = out.narrow(dim, kept, size - kept)
+            if padding.numel():
+                padding.fill_(fill)
+        return out
+
+    def __repr__(self) -> str:
+        owner = self._owner_ref()
+        where = "owner deleted" if owner is None else f"owner={type(owner).__name__}"
+        return f"ShapedTensor(name={self._name!r}, constraints={self._constraints}, {where})"
+
+    def _store(self, owner: nn.Module, value: Tensor | None) -> None:
+        current = owner._parameters.get(self._data_name)
+        if current is not None and isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
+            current.data = value
+        else:
+            setattr(owner, self._data_name, value)
+
+    def _on_state_dict(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+        if self._persist_constraints:
+            state_dict[prefix + self._constraints_key] = _encode(self._constraints)
+
+    def _on_load(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
+        # Constraints saved by a module that persisted them are consumed here in any case, so that turning
+        # persist_constraints on or off never breaks a strict load; they are applied only when persisting.
+        saved = state_dict.pop(prefix + self._constraints_key, None)
+        constraints = self._constraints
+        if saved is not None and self._persist_constraints:
+            try:
+                constraints = _check_constraints(self._name, _decode(saved))
+            except (TypeError, ValueError) as error:
+                error_msgs.append(f"invalid constraints for {prefix}{self._name}: {error}")
+                return
+        data_key = prefix + self._data_name
+        loaded = state_dict.get(data_key)
+        current = stored_tensor(owner, self._data_name)
+        if isinstance(loaded, Tensor) and not _ignored(loaded):
+            if not _satisfies(loaded.shape, constraints, self._strict):
+                error_msgs.append(
+                    f"{data_key}: {_mismatch(self._name, loaded.shape, constraints, self._strict)}"
+                )
+                return
+            if isinstance(current, Tensor) and current.shape != loaded.shape:
+                # Free dims take the loaded size: reshape the destination so torch's copy sees no mismatch.
+                with torch.no_grad():
+                    self._store(owner, current.new_empty(loaded.shape))
+        self._constraints = constraints
+
+
+def _ignored(value: Tensor | None) -> bool:
+    if value is None or isinstance(value, UninitializedTensorMixin):
+        return True
+    return value.numel() == 0 and value.dim() <= 1
+
+
+def _dimensionality(constraints: Constraints, strict: bool) -> int:
+    forward = max((d + 1 for d in constraints if d >= 0), default=0)
+    backward = max((-d for d in constraints if d < 0), default=0)
+    return forward + backward if strict else max(forward, backward)
+
+
+def _satisfies(shape: torch.Size, constraints: Constraints, strict: bool) -> bool:
+    if len(shape) < _dimensionality(constraints, strict):
+        return False
+    return all(shape[dim] == size for dim, size in constraints.items())
+
+
+def _mismatch(name: str, shape: torch.Size, constraints: Constraints, strict: bool) -> str:
+    wanted = ", ".join(f"dim {d}: {s}" for d, s in sorted(constraints.items()))
+    mode = "strict" if strict else "non-strict"
+    return (
+        f"ShapedTensor {name!r}: shape {tuple(shape)} violates the constraints {{{wanted}}} ({mode}, needs at "
+        f"least {_dimensionality(constraints, strict)} dims)"
+    )
+
+
+def _check_int(name: str, what: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"ShapedTensor {name!r}: {what} must be an int, got {value!r}")
+    return value
+
+
+def _check_size(name: str, dim: int, size: object) -> int:
+    size = _check_int(name, f"the size of dim {dim}", size)
+    if size < 0:
+        raise ValueError(f"ShapedTensor {name!r}: the size of dim {dim} must be non-negative, got {size}")
+    return size
+
+
+def _check_constraints(name: str, constraints: object) -> Constraints:
+    if not isinstance(constraints, Mapping):
+        raise TypeError(f"ShapedTensor {name!r}: constraints must be a mapping {{dim: size}}, got {constraints!r}")
+    return {_check_int(name, "a constrained dim", d): _check_size(name, d, s) for d, s in constraints.items()}
+
+
+def _encode(constraints: Constraints) -> Tensor:
+    # A tensor, so that tensor-only formats (safetensors, weights_only loads) can hold it; on the CPU whatever
+    # default device is in effect, since it is metadata rather than model data.
+    return torch.tensor(sorted(constraints.items()), dtype=torch.int64, device="cpu").reshape(-1, 2)
+
+
+def _decode(saved: object) -> dict[object, object]:
+    if isinstance(saved, Tensor):
+        if saved.dim() != 2 or saved.shape[1] != 2 or saved.dtype != torch.int64:
+            raise ValueError(f"expected an int64 tensor of shape (n, 2), got {saved.dtype} {tuple(saved.shape)}")
+        return {int(d): int(s) for d, s in saved.tolist()}
+    if isinstance(saved, Mapping):
+        return dict(saved)
+    raise TypeError(f"expected an int64 tensor of shape (n, 2) or a mapping, got {type(saved).__name__}")

@@ -1,0 +1,310 @@
+"""``VirtualTensor``: a tensor attribute computed from other attributes of its module."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from modattrs._attribute import OwnedAttribute, bind, check_names, check_owner
+
+__all__ = ["VirtualTensor"]
+
+#: A callable materializer: ``fn(owner, dtype, device) -> Tensor``.
+Materializer = Callable[[nn.Module, torch.dtype, torch.device], Tensor]
+
+
+class VirtualTensorAttributes(NamedTuple):
+    """Names that a :class:`VirtualTensor` registers on its owner."""
+
+    #: The zero-element reference buffer, ``_{name}_ref``.
+    ref: str
+
+
+class VirtualTensor(OwnedAttribute):
+    """A tensor attribute derived from other attributes of its module.
+
+    The value is not stored: each read of :attr:`value` calls the *materializer* with the dtype and device that
+    the attribute currently has. Those are kept by a zero-element reference buffer, ``_{name}_ref``, registered
+    on the owner; being a buffer, it follows ``module.to(...)``, ``.half()``, ``.to_empty(...)`` and the meta
+    device like any other, and so does the value.
+
+    Args:
+        owner: the module the attribute belongs to. After construction ``owner.<name>`` is this object.
+        name: the attribute's name on ``owner``.
+        materializer: either the name of a method of ``owner``, called as ``method(dtype, device)`` and held
+            without any reference to ``owner``, or a callable, held strongly and called as
+            ``fn(owner, dtype, device)``.
+        dtype: dtype of the value; torch's default dtype when ``None``.
+        device: device of the value; torch's default device (including a ``with torch.device(...)`` context)
+            when ``None``.
+        persist: whether the reference buffer is in the owner's ``state_dict``. Settable later as
+            :attr:`persist`.
+        follow_dtype: whether the value's dtype follows the module's dtype conversions (``module.half()``,
+            ``module.to(torch.float64)``, ...). The default is ``True`` for floating-point dtypes and ``False``
+            otherwise. With ``False`` the dtype is fixed and only the device follows the module. Integer and
+            bool dtypes are always fixed, as torch never converts such buffers either; complex dtypes are fixed
+            by default, since ``module.to(torch.float16)`` would make a following complex value real.
+
+    Raises:
+        TypeError: ``owner`` is not a module, ``materializer`` is neither a string nor callable, names an
+            attribute that is not a method, or ``dtype``/``device`` have the wrong type.
+        AttributeError: ``materializer`` names no attribute of ``owner``.
+        ValueError: ``name`` is not an identifier or clashes with an existing attribute, ``device`` is not a
+            valid or available device, or ``follow_dtype=True`` was asked for a non-floating dtype.
+
+    When the attribute goes away (``del owner.<name>`` or assigning something else to the name), what it
+    registered on the owner is removed.
+    """
+
+    __slots__ = ("_dtype", "_function", "_method", "_ref_name")
+
+    LinkedAttributes = VirtualTensorAttributes
+    _suffixes = ("ref",)
+
+    _method: str | None
+    _function: Materializer | None
+    _dtype: torch.dtype | None  # None: follow the reference's dtype; otherwise the fixed dtype
+    _ref_name: str
+
+    def __init__(
+        self,
+        owner: nn.Module,
+        name: str,
+        materializer: str | Materializer,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | int | None = None,
+        persist: bool = False,
+        *,
+        follow_dtype: bool | None = None,
+    ) -> None:
+        owner = check_owner("VirtualTensor", owner)
+        (ref_name,) = self._derived(name) if isinstance(name, str) else ("",)
+        name = check_names("VirtualTensor", owner, name, (ref_name,))
+        method, function = _check_materializer(owner, name, materializer)
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"VirtualTensor {name!r}: dtype must be a torch.dtype or None, got {dtype!r}")
+        value_dtype = torch.get_default_dtype() if dtype is None else dtype
+        follows = value_dtype.is_floating_point if follow_dtype is None else bool(follow_dtype)
+        if follows and not _can_follow(value_dtype):
+            raise ValueError(
+                f"VirtualTensor {name!r}: a {value_dtype} value cannot follow the module's dtype, because "
+                "nn.Module conversions only change floating-point and complex tensors; pass follow_dtype=False"
+            )
+        ref_dtype = value_dtype if follows else torch.get_default_dtype()
+        ref = _make_reference(name, ref_dtype, device)
+
+        self._method = method
+        self._function = function
+        self._dtype = None if follows else value_dtype
+        self._ref_name = ref_name
+        owner.register_buffer(ref_name, ref, persistent=bool(persist))
+        bind(self, owner, name)
+
+    @classmethod
+    def create(
+        cls,
+        owner: nn.Module,
+        name: str,
+        materializer: str | Materializer,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | int | None = None,
+        persist: bool = False,
+        *,
+        follow_dtype: bool | None = None,
+    ) -> VirtualTensor:
+        """Create a :class:`VirtualTensor` on ``owner`` and return it; the same as calling the class."""
+        return cls(owner, name, materializer, dtype, device, persist, follow_dtype=follow_dtype)
+
+    @property
+    def attributes(self) -> VirtualTensorAttributes:
+        """Names of what this attribute registered on its owner."""
+        return VirtualTensorAttributes(self._ref_name)
+
+    @property
+    def value(self) -> Tensor:
+        """The materialized tensor, on the attribute's current dtype and device.
+
+        The materializer is asked for that dtype and device; a result that has another one is converted.
+        """
+        owner = self._owner_ref()
+        if owner is None:
+            raise self._owner_gone()
+        ref = owner._buffers.get(self._ref_name)
+        if ref is None:
+            raise self._reference_gone()
+        dtype = ref.dtype if self._dtype is None else self._dtype
+        device = ref.device
+        if self._method is not None:
+            result = getattr(owner, self._method)(dtype, device)
+        else:
+            assert self._function is not None
+            result = self._function(owner, dtype, device)
+        if not isinstance(result, Tensor):
+            raise TypeError(
+                f"the materializer {self._materializer_name()} of VirtualTensor {self._name!r} returned "
+                f"{type(result).__name__}, expected a Tensor"
+            )
+        if result.dtype != dtype or result.device != device:
+            result = result.to(device=device, dtype=dtype)
+        return result
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Data type of the value. Setting it is ``self.to(dtype=...)``."""
+        if self._dtype is not None:
+            return self._dtype
+        return self._reference().dtype
+
+    @dtype.setter
+    def dtype(self, dtype: torch.dtype) -> None:
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"VirtualTensor {self._name!r}: dtype must be a torch.dtype, got {dtype!r}")
+        self.to(dtype=dtype)
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the value. Setting it is ``self.to(device=...)``."""
+        return self._reference().device
+
+    @device.setter
+    def device(self, device: torch.device | str | int) -> None:
+        self.to(device=_check_device(self._name, device))
+
+    @property
+    def follow_dtype(self) -> bool:
+        """Whether the value's dtype follows the module's dtype conversions.
+
+        Setting it to ``False`` fixes the current dtype; setting it to ``True`` makes the current dtype the
+        starting point that conversions change (it must then be floating-point or complex).
+        """
+        return self._dtype is None
+
+    @follow_dtype.setter
+    def follow_dtype(self, follow: bool) -> None:
+        owner = self._live_owner()
+        ref = self._reference()
+        if follow and self._dtype is not None:
+            if not _can_follow(self._dtype):
+                raise ValueError(
+                    f"VirtualTensor {self._name!r}: a {self._dtype} value cannot follow the module's dtype; "
+                    "set a floating-point dtype first"
+                )
+            owner._buffers[self._ref_name] = ref.new_empty(0, dtype=self._dtype)
+            self._dtype = None
+        elif not follow and self._dtype is None:
+            self._dtype = ref.dtype
+
+    @property
+    def persist(self) -> bool:
+        """Whether the reference buffer is in the owner's ``state_dict``; settable at any time."""
+        return self._ref_name not in self._live_owner()._non_persistent_buffers_set
+
+    @persist.setter
+    def persist(self, persist: bool) -> None:
+        owner = self._live_owner()
+        self._reference()
+        if persist:
+            owner._non_persistent_buffers_set.discard(self._ref_name)
+        else:
+            owner._non_persistent_buffers_set.add(self._ref_name)
+
+    def to(self, *args: Any, **kwargs: Any) -> VirtualTensor:
+        """Change the dtype and/or device; accepts the arguments of :meth:`torch.Tensor.to`. Returns ``self``."""
+        owner = self._live_owner()
+        ref = self._reference()
+        try:
+            device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        except (TypeError, RuntimeError) as error:
+            raise type(error)(f"VirtualTensor {self._name!r}: invalid arguments for to(): {error}") from None
+        device = ref.device if device is None else device
+        dtype = self.dtype if dtype is None else dtype
+        if self._dtype is None and not _can_follow(dtype):
+            raise ValueError(
+                f"VirtualTensor {self._name!r} follows the module's dtype, which must be floating-point or "
+                f"complex, got {dtype}; set follow_dtype = False first to fix a non-floating dtype"
+            )
+        ref_dtype = dtype if self._dtype is None else ref.dtype
+        if ref.device != device or ref.dtype != ref_dtype:
+            # A new empty reference rather than ref.to(): a meta reference has no data to copy.
+            owner._buffers[self._ref_name] = ref.new_empty(0, dtype=ref_dtype, device=device)
+        if self._dtype is not None:
+            self._dtype = dtype
+        return self
+
+    def __repr__(self) -> str:
+        owner = self._owner_ref()
+        where = "owner deleted" if owner is None else f"owner={type(owner).__name__}"
+        return f"VirtualTensor(name={self._name!r}, materializer={self._materializer_name()}, {where})"
+
+    def _reference(self) -> Tensor:
+        ref = self._live_owner()._buffers.get(self._ref_name)
+        if ref is None:
+            raise self._reference_gone()
+        return ref
+
+    def _reference_gone(self) -> RuntimeError:
+        return RuntimeError(
+            f"VirtualTensor {self._name!r} lost its reference buffer {self._ref_name!r}: it was deleted from or "
+            "set to None on the module; create the VirtualTensor again"
+        )
+
+    def _materializer_name(self) -> str:
+        if self._method is not None:
+            return repr(self._method)
+        return getattr(self._function, "__qualname__", repr(self._function))
+
+
+def _check_materializer(
+    owner: nn.Module, name: str, materializer: object
+) -> tuple[str | None, Materializer | None]:
+    if isinstance(materializer, str):
+        try:
+            method = getattr(owner, materializer)
+        except AttributeError:
+            raise AttributeError(
+                f"VirtualTensor {name!r}: {type(owner).__name__} has no attribute {materializer!r} to use as "
+                "its materializer"
+            ) from None
+        if not isinstance(method, types.MethodType):
+            raise TypeError(
+                f"VirtualTensor {name!r}: the materializer {materializer!r} must name a method of "
+                f"{type(owner).__name__}, got {type(method).__name__}; pass a callable fn(owner, dtype, device) "
+                "instead"
+            )
+        return materializer, None
+    if not callable(materializer):
+        raise TypeError(
+            f"VirtualTensor {name!r}: materializer must be a method name or a callable fn(owner, dtype, device), "
+            f"got {type(materializer).__name__}"
+        )
+    if isinstance(materializer, types.MethodType) and materializer.__self__ is owner:
+        raise TypeError(
+            f"VirtualTensor {name!r}: pass the bound method's name, {materializer.__name__!r}, not the method "
+            "itself: it would be called with the owner twice and would keep the owner alive"
+        )
+    return None, materializer
+
+
+def _check_device(name: str, device: object) -> torch.device:
+    if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
+        raise TypeError(f"VirtualTensor {name!r}: device must be a torch.device, str or int, got {device!r}")
+    try:
+        return torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"VirtualTensor {name!r}: invalid device {device!r}: {error}") from None
+
+
+def _make_reference(name: str, dtype: torch.dtype, device: object) -> Tensor:
+    checked = None if device is None else _check_device(name, device)
+    try:
+        return torch.empty(0, dtype=dtype, device=checked)
+    except (RuntimeError, AssertionError) as error:
+        raise ValueError(f"VirtualTensor {name!r}: cannot use device {checked}: {error}") from None
+
+
+def _can_follow(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
