@@ -57,6 +57,10 @@ class OwnedAttribute:
             raise self._owner_gone()
         return owner
 
+    def _where(self) -> str:
+        owner = self._owner_ref()
+        return "no owner" if owner is None else f"owner={type(owner).__name__}"
+
     def _owner_gone(self) -> ReferenceError:
         return ReferenceError(
             f"{type(self).__name__} {self._name!r} has no owner: the module it belonged to was deleted. "
@@ -67,9 +71,7 @@ class OwnedAttribute:
     def _on_state_dict(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
         pass
 
-    def _on_load(
-        self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
-    ) -> None:
+    def _on_load(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
         pass
 
 
@@ -81,8 +83,12 @@ def check_owner(kind: str, owner: object) -> nn.Module:
     return owner
 
 
-def check_names(kind: str, owner: nn.Module, name: object, derived: tuple[str, ...]) -> str:
-    """Validate ``name`` and its derived names on ``owner``; raise before anything is changed."""
+def check_names(attribute: OwnedAttribute, owner: nn.Module, name: object) -> str:
+    """Validate ``name`` and its derived names on ``owner``; raise before anything is changed.
+
+    On success ``attribute`` knows its name and owner (so that it can describe itself); nothing else is set.
+    """
+    kind = type(attribute).__name__
     if not isinstance(name, str):
         raise TypeError(f"{kind} name must be a str, got {type(name).__name__}")
     if not name.isidentifier() or keyword.iskeyword(name):
@@ -98,12 +104,14 @@ def check_names(kind: str, owner: nn.Module, name: object, derived: tuple[str, .
                 f"({_describe(owner, name)}); choose another name or delete the attribute first"
             )
         claimed = set()
-    for derived_name in derived:
+    for derived_name in type(attribute)._derived(name):
         if derived_name not in claimed and _occupied(owner, derived_name):
             raise ValueError(
                 f"cannot create {kind} {name!r}: it stores its data as {derived_name!r}, which "
                 f"{type(owner).__name__} already has ({_describe(owner, derived_name)}); choose another name"
             )
+    attribute._name = name
+    attribute._owner_ref = weakref.ref(owner)
     return name
 
 
@@ -129,19 +137,17 @@ def _describe(owner: nn.Module, name: str) -> str:
     return f"a class attribute of {type(owner).__name__}"
 
 
-def bind(attribute: OwnedAttribute, owner: nn.Module, name: str) -> None:
+def bind(attribute: OwnedAttribute, owner: nn.Module) -> None:
     """Install ``attribute`` as ``owner.<name>`` with its finalizer and state-dict hooks.
 
     Call this only after the derived names were registered: from here on, the attribute's death removes them.
     """
-    attribute._owner_ref = weakref.ref(owner)
-    attribute._name = name
-    attribute._hook_ids = register_hooks(owner, name)
-    attribute._finalizer = arm_finalizer(attribute, owner)
-    setattr(owner, name, attribute)
+    attribute._hook_ids = register_hooks(owner, attribute._name)
+    attribute._finalizer = arm_finalizer(attribute)
+    setattr(owner, attribute._name, attribute)
 
 
-def arm_finalizer(attribute: OwnedAttribute, owner: nn.Module) -> weakref.finalize[Any, Any]:
+def arm_finalizer(attribute: OwnedAttribute) -> weakref.finalize[Any, Any]:
     # The callback and its arguments must not reference the owner strongly: the registry is global, so a
     # strong reference there would keep the module alive forever.
     finalizer = weakref.finalize(
@@ -156,9 +162,7 @@ def arm_finalizer(attribute: OwnedAttribute, owner: nn.Module) -> weakref.finali
     return finalizer
 
 
-def _release(
-    owner_ref: weakref.ref[nn.Module], name: str, derived: tuple[str, ...], hook_ids: tuple[int, int]
-) -> None:
+def _release(owner_ref: weakref.ref[nn.Module], name: str, derived: tuple[str, ...], hook_ids: tuple[int, int]) -> None:
     owner = owner_ref()
     if owner is None:
         return
@@ -182,8 +186,8 @@ def register_hooks(owner: nn.Module, name: str) -> tuple[int, int]:
     """Register the state-dict hooks of attribute ``name`` and return their ids (for removal and copies)."""
     # Plain functions bound by partial, never bound methods: a module holding a bound method of itself in its
     # hook dicts would be a reference cycle, freed only by the cyclic garbage collector.
-    save = owner.register_state_dict_post_hook(functools.partial(_state_dict_hook, name))
-    load = owner.register_load_state_dict_pre_hook(functools.partial(_load_pre_hook, name))
+    save = owner.register_state_dict_post_hook(functools.partial(_state_dict_hook, name))  # type: ignore[no-untyped-call]
+    load = owner.register_load_state_dict_pre_hook(functools.partial(_load_pre_hook, name))  # type: ignore[no-untyped-call]
     return save.id, load.id
 
 
@@ -220,4 +224,3 @@ def stored_tensor(owner: nn.Module, name: str) -> Tensor | None:
     if name in buffers:
         return buffers[name]
     return owner._parameters[name]
-

@@ -7,13 +7,14 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.nn.parameter import UninitializedTensorMixin
 
 from modattrs._attribute import OwnedAttribute, bind, check_names, check_owner, stored_tensor
 
 __all__ = ["ShapedTensor"]
 
 Constraints = dict[int, int]
+
+_UNINITIALIZED = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)
 
 
 class ShapedTensorAttributes(NamedTuple):
@@ -79,12 +80,11 @@ class ShapedTensor(OwnedAttribute):
         live: bool = False,
     ) -> None:
         owner = check_owner("ShapedTensor", owner)
-        derived = self._derived(name) if isinstance(name, str) else ("", "")
-        name = check_names("ShapedTensor", owner, name, derived)
+        name = check_names(self, owner, name)
         checked = _check_constraints(name, {} if constraints is None else constraints)
         if value is not None and not isinstance(value, Tensor):
             raise TypeError(f"ShapedTensor {name!r}: value must be a Tensor or None, got {type(value).__name__}")
-        if not _ignored(value) and not _satisfies(value.shape, checked, bool(strict)):
+        if value is not None and not _ignored(value) and not _satisfies(value.shape, checked, bool(strict)):
             raise ValueError(_mismatch(name, value.shape, checked, bool(strict)))
         is_parameter = isinstance(value, nn.Parameter)
         if is_parameter and not persist_data:
@@ -93,7 +93,7 @@ class ShapedTensor(OwnedAttribute):
                 "hold; pass a plain tensor to store the data as a non-persistent buffer"
             )
 
-        self._data_name, self._constraints_key = derived
+        self._data_name, self._constraints_key = self._derived(name)
         self._constraints = checked
         self._strict = bool(strict)
         self._live = bool(live)
@@ -102,7 +102,7 @@ class ShapedTensor(OwnedAttribute):
             owner.register_parameter(self._data_name, value)  # type: ignore[arg-type]
         else:
             owner.register_buffer(self._data_name, value, persistent=bool(persist_data))
-        bind(self, owner, name)
+        bind(self, owner)
 
     @classmethod
     def create(
@@ -140,10 +140,8 @@ class ShapedTensor(OwnedAttribute):
     def value(self, value: Tensor | None) -> None:
         owner = self._live_owner()
         if value is not None and not isinstance(value, Tensor):
-            raise TypeError(
-                f"ShapedTensor {self._name!r}: value must be a Tensor or None, got {type(value).__name__}"
-            )
-        if self._live and not _ignored(value) and not self.compatible(value):
+            raise TypeError(f"ShapedTensor {self._name!r}: value must be a Tensor or None, got {type(value).__name__}")
+        if self._live and value is not None and not _ignored(value) and not self.compatible(value):
             raise ValueError(_mismatch(self._name, value.shape, self._constraints, self._strict))
         self._store(owner, value)
 
@@ -168,7 +166,7 @@ class ShapedTensor(OwnedAttribute):
         if self._owner_ref() is None:
             return False
         value = self.value
-        return _ignored(value) or self.compatible(value)
+        return value is None or _ignored(value) or self.compatible(value)
 
     @property
     def live(self) -> bool:
@@ -295,9 +293,7 @@ class ShapedTensor(OwnedAttribute):
         return out
 
     def __repr__(self) -> str:
-        owner = self._owner_ref()
-        where = "owner deleted" if owner is None else f"owner={type(owner).__name__}"
-        return f"ShapedTensor(name={self._name!r}, constraints={self._constraints}, {where})"
+        return f"ShapedTensor(name={self._name!r}, constraints={self._constraints}, {self._where()})"
 
     def _store(self, owner: nn.Module, value: Tensor | None) -> None:
         current = owner._parameters.get(self._data_name)
@@ -326,9 +322,7 @@ class ShapedTensor(OwnedAttribute):
         current = stored_tensor(owner, self._data_name)
         if isinstance(loaded, Tensor) and not _ignored(loaded):
             if not _satisfies(loaded.shape, constraints, self._strict):
-                error_msgs.append(
-                    f"{data_key}: {_mismatch(self._name, loaded.shape, constraints, self._strict)}"
-                )
+                error_msgs.append(f"{data_key}: {_mismatch(self._name, loaded.shape, constraints, self._strict)}")
                 return
             if isinstance(current, Tensor) and current.shape != loaded.shape:
                 # Free dims take the loaded size: reshape the destination so torch's copy sees no mismatch.
@@ -338,7 +332,7 @@ class ShapedTensor(OwnedAttribute):
 
 
 def _ignored(value: Tensor | None) -> bool:
-    if value is None or isinstance(value, UninitializedTensorMixin):
+    if value is None or isinstance(value, _UNINITIALIZED):
         return True
     return value.numel() == 0 and value.dim() <= 1
 

@@ -82,8 +82,8 @@ class VirtualTensor(OwnedAttribute):
         follow_dtype: bool | None = None,
     ) -> None:
         owner = check_owner("VirtualTensor", owner)
-        (ref_name,) = self._derived(name) if isinstance(name, str) else ("",)
-        name = check_names("VirtualTensor", owner, name, (ref_name,))
+        name = check_names(self, owner, name)
+        (ref_name,) = self._derived(name)
         method, function = _check_materializer(owner, name, materializer)
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise TypeError(f"VirtualTensor {name!r}: dtype must be a torch.dtype or None, got {dtype!r}")
@@ -102,7 +102,7 @@ class VirtualTensor(OwnedAttribute):
         self._dtype = None if follows else value_dtype
         self._ref_name = ref_name
         owner.register_buffer(ref_name, ref, persistent=bool(persist))
-        bind(self, owner, name)
+        bind(self, owner)
 
     @classmethod
     def create(
@@ -236,9 +236,7 @@ class VirtualTensor(OwnedAttribute):
         return self
 
     def __repr__(self) -> str:
-        owner = self._owner_ref()
-        where = "owner deleted" if owner is None else f"owner={type(owner).__name__}"
-        return f"VirtualTensor(name={self._name!r}, materializer={self._materializer_name()}, {where})"
+        return f"VirtualTensor(name={self._name!r}, materializer={self._materializer_name()}, {self._where()})"
 
     def _reference(self) -> Tensor:
         ref = self._live_owner()._buffers.get(self._ref_name)
@@ -258,9 +256,7 @@ class VirtualTensor(OwnedAttribute):
         return getattr(self._function, "__qualname__", repr(self._function))
 
 
-def _check_materializer(
-    owner: nn.Module, name: str, materializer: object
-) -> tuple[str | None, Materializer | None]:
+def _check_materializer(owner: nn.Module, name: str, materializer: object) -> tuple[str | None, Materializer | None]:
     if isinstance(materializer, str):
         try:
             method = getattr(owner, materializer)

@@ -188,7 +188,7 @@ def test_to_with_invalid_arguments_raises_and_changes_nothing() -> None:
 
 def test_a_following_attribute_rejects_a_non_floating_dtype() -> None:
     m = Positions()
-    with pytest.raises(ValueError, match="'pos' follows the module's dtype.*torch.int64"):
+    with pytest.raises(ValueError, match=r"'pos' follows the module's dtype.*torch\.int64"):
         m.pos.to(torch.int64)
     assert m.pos.dtype == torch.float32
 
@@ -196,7 +196,7 @@ def test_a_following_attribute_rejects_a_non_floating_dtype() -> None:
 @pytest.mark.parametrize("bad", ["float32", 3, None])
 def test_dtype_setter_rejects_non_dtypes(bad: object) -> None:
     m = Positions()
-    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+    with pytest.raises(TypeError, match=r"dtype must be a torch\.dtype"):
         m.pos.dtype = bad  # type: ignore[assignment]
 
 
@@ -280,7 +280,7 @@ def test_complex_attributes_can_follow_the_module() -> None:
 
 def test_follow_dtype_true_with_an_integer_dtype_raises_value_error() -> None:
     m = nn.Module()
-    with pytest.raises(ValueError, match="torch.int64 value cannot follow"):
+    with pytest.raises(ValueError, match=r"torch\.int64 value cannot follow"):
         VirtualTensor(m, "x", doubled, dtype=torch.int64, follow_dtype=True)
     assert not hasattr(m, "x")
     assert list(m._buffers) == []
@@ -491,7 +491,7 @@ def test_bad_input_raises_and_leaves_the_module_as_it_was(
 
 
 def test_owner_that_is_not_a_module_raises_type_error() -> None:
-    with pytest.raises(TypeError, match="needs an nn.Module"):
+    with pytest.raises(TypeError, match=r"needs an nn\.Module"):
         VirtualTensor(object(), "x", doubled)  # type: ignore[arg-type]
 
 

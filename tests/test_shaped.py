@@ -1,0 +1,597 @@
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from modattrs import ShapedTensor
+
+
+def owner_with(value: torch.Tensor | None, constraints: dict[int, int] | None = None, **kwargs: object) -> nn.Module:
+    m = nn.Module()
+    ShapedTensor(m, "x", value, constraints, **kwargs)  # type: ignore[arg-type]
+    return m
+
+
+def snapshot(m: nn.Module) -> tuple[object, ...]:
+    attribute = m.__dict__.get("x")
+    constraints = attribute.constraints if isinstance(attribute, ShapedTensor) else None
+    data = m._buffers.get("_x_data", m._parameters.get("_x_data"))
+    return (
+        dict(m.__dict__),
+        dict(m._buffers),
+        dict(m._parameters),
+        set(m._non_persistent_buffers_set),
+        dict(m._state_dict_hooks),
+        dict(m._load_state_dict_pre_hooks),
+        constraints,
+        None if data is None else (tuple(data.shape), data.clone()),
+    )
+
+
+def same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    *head_a, data_a = a
+    *head_b, data_b = b
+    if head_a != head_b:
+        return False
+    if data_a is None or data_b is None:
+        return data_a is data_b
+    return data_a[0] == data_b[0] and torch.equal(data_a[1], data_b[1])  # type: ignore[index]
+
+
+# --- construction -----------------------------------------------------------------------------------------------
+
+
+def test_buffer_data_is_registered_under_the_derived_name() -> None:
+    data = torch.zeros(2, 3)
+    m = owner_with(data, {1: 3})
+    assert isinstance(m.x, ShapedTensor)
+    assert m.x.value is data
+    assert m._buffers["_x_data"] is data
+    assert m.x.attributes == ShapedTensor.LinkedAttributes(data="_x_data", constraints="_x_constraints")
+
+
+def test_parameter_data_is_registered_as_a_parameter() -> None:
+    p = nn.Parameter(torch.zeros(2, 3))
+    m = owner_with(p, {1: 3})
+    assert m._parameters["_x_data"] is p
+    assert list(m.parameters()) == [p]
+
+
+def test_create_returns_the_new_attribute() -> None:
+    m = nn.Module()
+    x = ShapedTensor.create(m, "x", torch.zeros(2), {0: 2})
+    assert x is m.x
+
+
+@pytest.mark.parametrize(("persist", "in_state_dict"), [(True, True), (False, False)])
+def test_persist_data_decides_whether_the_buffer_is_saved(persist: bool, in_state_dict: bool) -> None:
+    m = owner_with(torch.zeros(2), persist_data=persist)
+    assert ("_x_data" in m.state_dict()) is in_state_dict
+    m.x.persist_data = not persist
+    assert ("_x_data" in m.state_dict()) is not in_state_dict
+
+
+def test_persist_data_false_with_a_parameter_is_rejected() -> None:
+    m = nn.Module()
+    with pytest.raises(ValueError, match="parameter is always in the state_dict"):
+        ShapedTensor(m, "x", nn.Parameter(torch.zeros(2)), persist_data=False)
+    assert not m._parameters
+
+
+def test_constraints_returns_a_copy() -> None:
+    m = owner_with(torch.zeros(2, 3), {1: 3})
+    m.x.constraints[1] = 7
+    assert m.x.constraints == {1: 3}
+
+
+@pytest.mark.parametrize(
+    ("constraints", "strict", "expected"),
+    [
+        ({}, True, 0),
+        ({0: 1}, True, 1),
+        ({2: 1}, True, 3),
+        ({-1: 1}, True, 1),
+        ({1: 1, -2: 1}, True, 4),
+        ({1: 1, -2: 1}, False, 2),
+        ({-3: 1, 0: 1}, False, 3),
+    ],
+)
+def test_dimensionality_is_the_least_number_of_dims(constraints: dict[int, int], strict: bool, expected: int) -> None:
+    m = owner_with(None, constraints, strict=strict)
+    assert m.x.dimensionality == expected
+
+
+def test_strict_forbids_a_positive_and_negative_dim_naming_one_axis() -> None:
+    strict = owner_with(None, {0: 2, -1: 2}, strict=True)
+    loose = owner_with(None, {0: 2, -1: 2}, strict=False)
+    assert not strict.x.compatible(torch.zeros(2))
+    assert loose.x.compatible(torch.zeros(2))
+    assert strict.x.compatible(torch.zeros(2, 2))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        torch.empty(0),
+        torch.empty(0, dtype=torch.int64),
+        nn.parameter.UninitializedBuffer(),
+        nn.parameter.UninitializedParameter(),
+    ],
+)
+def test_ignored_values_are_never_checked(value: torch.Tensor | None) -> None:
+    m = owner_with(value, {0: 5, 1: 3}, live=True)
+    assert m.x.ignored
+    assert m.x.valid
+    m.x.value = value
+
+
+@pytest.mark.parametrize("value", [torch.empty(0, 3), torch.tensor(1.0)])
+def test_empty_multi_dim_and_scalar_tensors_are_checked(value: torch.Tensor) -> None:
+    m = owner_with(None, {1: 3})
+    m.x.value = value
+    assert not m.x.ignored
+
+
+# --- value assignment -------------------------------------------------------------------------------------------
+
+
+def test_live_assignment_of_an_incompatible_tensor_raises_and_keeps_the_data() -> None:
+    m = owner_with(torch.zeros(2, 3), {1: 3}, live=True)
+    before = m.x.value
+    with pytest.raises(ValueError, match=r"shape \(2, 4\) violates the constraints \{dim 1: 3\}"):
+        m.x.value = torch.zeros(2, 4)
+    assert m.x.value is before
+
+
+def test_assignment_without_live_is_not_checked() -> None:
+    m = owner_with(torch.zeros(2, 3), {1: 3})
+    m.x.value = torch.zeros(2, 4)
+    assert not m.x.valid
+    m.x.live = True
+    assert m.x.live
+    with pytest.raises(ValueError, match="violates"):
+        m.x.value = torch.zeros(1, 4)
+
+
+def test_a_plain_tensor_assigned_to_parameter_data_keeps_the_parameter() -> None:
+    p = nn.Parameter(torch.zeros(2, 3))
+    m = owner_with(p, {1: 3})
+    m.x.value = torch.ones(5, 3)
+    assert m.x.value is p
+    assert torch.equal(p, torch.ones(5, 3))
+    assert p.requires_grad
+
+
+def test_assigning_a_parameter_over_buffer_data_makes_it_a_parameter() -> None:
+    m = owner_with(torch.zeros(2, 3), {1: 3})
+    p = nn.Parameter(torch.ones(2, 3))
+    m.x.value = p
+    assert m._parameters["_x_data"] is p
+    assert "_x_data" not in m._buffers
+
+
+def test_assigning_a_non_tensor_raises_type_error_naming_the_attribute() -> None:
+    m = owner_with(torch.zeros(2))
+    with pytest.raises(TypeError, match="ShapedTensor 'x': value must be a Tensor or None, got list"):
+        m.x.value = [1, 2]  # type: ignore[assignment]
+
+
+def test_strict_is_settable() -> None:
+    m = owner_with(torch.zeros(2), {0: 2, -1: 2}, strict=False)
+    assert m.x.valid
+    m.x.strict = True
+    assert m.x.strict
+    assert not m.x.valid
+
+
+# --- reconstrain ------------------------------------------------------------------------------------------------
+
+
+def test_reconstrain_shrinks_keeping_the_tail() -> None:
+    data = torch.arange(12.0).reshape(4, 3)
+    m = owner_with(data, {0: 4, 1: 3})
+    out = m.x.reconstrain(0, 2)
+    assert out is m.x.value
+    assert torch.equal(out, data[2:])  # type: ignore[arg-type]
+    assert m.x.constraints == {0: 2, 1: 3}
+
+
+def test_reconstrain_grows_padding_zeros_at_the_head() -> None:
+    data = torch.arange(1.0, 7.0).reshape(2, 3)
+    m = owner_with(data, {0: 2})
+    out = m.x.reconstrain(0, 4)
+    assert torch.equal(out, torch.cat([torch.zeros(2, 3), data]))  # type: ignore[arg-type]
+
+
+def test_reconstrain_adds_a_constraint_resizing_a_free_dim() -> None:
+    m = owner_with(torch.ones(2, 3), {1: 3})
+    m.x.reconstrain(0, 5)
+    assert m.x.constraints == {0: 5, 1: 3}
+    assert m.x.value.shape == (5, 3)  # type: ignore[union-attr]
+
+
+def test_reconstrain_removes_a_constraint_with_none() -> None:
+    m = owner_with(torch.ones(2, 3), {0: 2, 1: 3})
+    m.x.reconstrain(0, None)
+    assert m.x.constraints == {1: 3}
+    m.x.live = True
+    m.x.value = torch.ones(7, 3)
+
+
+def test_reconstrain_keeps_parameter_identity() -> None:
+    p = nn.Parameter(torch.arange(6.0).reshape(3, 2))
+    m = owner_with(p, {0: 3})
+    out = m.x.reconstrain(0, 1)
+    assert out is p
+    assert torch.equal(p.detach(), torch.tensor([[4.0, 5.0]]))
+    assert p.requires_grad
+
+
+def test_reconstrain_on_ignored_data_only_records_the_constraint() -> None:
+    m = owner_with(None, {})
+    assert m.x.reconstrain(2, 4) is None
+    assert m.x.constraints == {2: 4}
+
+
+def test_reconstrain_with_negative_dim_resizes_the_matching_axis() -> None:
+    m = owner_with(torch.ones(2, 3), {-1: 3})
+    m.x.reconstrain(-1, 5)
+    assert m.x.value.shape == (2, 5)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("dim", "size", "error", "match"),
+    [
+        (5, None, ValueError, "dim 5 is not constrained"),
+        ("0", 2, TypeError, "dim must be an int"),
+        (True, 2, TypeError, "dim must be an int"),
+        (0, -1, ValueError, "must be non-negative"),
+        (0, 2.0, TypeError, "must be an int"),
+        (4, 2, ValueError, "needs at least 5 dims"),
+        (-1, 4, ValueError, "violates the constraints"),  # -1 aliases dim 1 (non-strict), which must stay 3
+    ],
+)
+def test_failed_reconstrain_changes_nothing(dim: object, size: object, error: type[Exception], match: str) -> None:
+    m = owner_with(torch.ones(2, 3), {0: 2, 1: 3, -1: 3}, strict=False)
+    before = snapshot(m)
+    with pytest.raises(error, match=match):
+        m.x.reconstrain(dim, size)  # type: ignore[arg-type]
+    assert same(snapshot(m), before)
+
+
+def test_reconstrain_of_already_invalid_data_raises_and_changes_nothing() -> None:
+    m = owner_with(torch.ones(2, 3), {0: 2, 1: 3})
+    m.x.value = torch.ones(2, 4)
+    before = snapshot(m)
+    with pytest.raises(ValueError, match=r"shape \(5, 4\) violates"):
+        m.x.reconstrain(0, 5)
+    assert same(snapshot(m), before)
+
+
+# --- resize -----------------------------------------------------------------------------------------------------
+
+
+def test_resize_returns_the_same_tensor_when_the_size_is_unchanged() -> None:
+    t = torch.ones(2, 3)
+    assert ShapedTensor.resize(t, 1, 3) is t
+
+
+def test_resize_without_preserve_tail_keeps_the_head_and_pads_at_the_end() -> None:
+    t = torch.arange(4.0)
+    assert torch.equal(ShapedTensor.resize(t, 0, 2, preserve_tail=False), torch.tensor([0.0, 1.0]))
+    assert torch.equal(
+        ShapedTensor.resize(t, 0, 6, preserve_tail=False, fill=-1), torch.tensor([0.0, 1.0, 2.0, 3.0, -1.0, -1.0])
+    )
+
+
+def test_resize_does_not_modify_a_parameter_and_returns_a_plain_tensor() -> None:
+    p = nn.Parameter(torch.arange(4.0))
+    out = ShapedTensor.resize(p, 0, 2)
+    assert type(out) is torch.Tensor
+    assert not out.requires_grad
+    assert p.shape == (4,)
+
+
+def test_resize_rejects_out_of_range_dims() -> None:
+    with pytest.raises(IndexError, match="dim 2 is out of range"):
+        ShapedTensor.resize(torch.ones(2, 2), 2, 1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 5), min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_resize_keeps_the_matching_slice_of_the_original(shape: list[int], data: st.DataObject) -> None:
+    t = torch.randn(shape)
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    size = data.draw(st.integers(0, 7))
+    tail = data.draw(st.booleans())
+    out = ShapedTensor.resize(t, dim, size, preserve_tail=tail, fill=3.0)
+    old = t.shape[dim]
+    kept = min(old, size)
+    assert out.shape[dim] == size
+    if tail:
+        assert torch.equal(out.narrow(dim, size - kept, kept), t.narrow(dim, old - kept, kept))
+        padding = out.narrow(dim, 0, size - kept)
+    else:
+        assert torch.equal(out.narrow(dim, 0, kept), t.narrow(dim, 0, kept))
+        padding = out.narrow(dim, kept, size - kept)
+    assert bool((padding == 3.0).all())
+
+
+# --- property-based: compatible and reconstrain sequences ----------------------------------------------------------
+
+
+def satisfies_by_definition(shape: tuple[int, ...], constraints: dict[int, int], strict: bool) -> bool:
+    ndim = len(shape)
+    for d, s in constraints.items():
+        if not -ndim <= d < ndim or shape[d] != s:
+            return False
+    if strict:
+        positive = {d for d in constraints if d >= 0}
+        negative = {ndim + d for d in constraints if d < 0}
+        if positive & negative or (positive and negative and max(positive) >= min(negative)):
+            return False
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 3), max_size=5).map(tuple),
+    constraints=st.dictionaries(st.integers(-5, 4), st.integers(0, 3), max_size=3),
+    strict=st.booleans(),
+)
+def test_compatible_agrees_with_the_constraints(
+    shape: tuple[int, ...], constraints: dict[int, int], strict: bool
+) -> None:
+    m = owner_with(None, constraints, strict=strict)
+    assert m.x.compatible(torch.empty(shape)) == satisfies_by_definition(shape, constraints, strict)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple),
+    steps=st.lists(st.tuples(st.integers(-4, 3), st.one_of(st.none(), st.integers(0, 5))), max_size=6),
+    strict=st.booleans(),
+)
+def test_reconstrain_sequences_keep_data_or_change_nothing(
+    shape: tuple[int, ...], steps: list[tuple[int, int | None]], strict: bool
+) -> None:
+    m = owner_with(torch.randn(shape), {}, strict=strict)
+    for dim, size in steps:
+        before = snapshot(m)
+        old = m.x.value
+        assert old is not None
+        try:
+            new = m.x.reconstrain(dim, size)
+        except ValueError:
+            assert same(snapshot(m), before)
+            continue
+        assert new is not None
+        assert m.x.valid
+        if old.numel() == 0 and old.dim() <= 1:  # ignored data: only the constraint changes
+            assert new is old
+        elif size is not None:
+            assert m.x.constraints[dim] == size
+            kept = min(old.shape[dim], size)
+            assert torch.equal(new.narrow(dim, size - kept, kept), old.narrow(dim, old.shape[dim] - kept, kept))
+        else:
+            assert dim not in m.x.constraints
+
+
+# --- persistence of constraints and loading -------------------------------------------------------------------------
+
+
+def test_persisted_constraints_round_trip_on_a_plain_module() -> None:
+    source = owner_with(torch.ones(2, 3), {1: 3}, persist_constraints=True)
+    state = source.state_dict()
+    assert torch.equal(state["_x_constraints"], torch.tensor([[1, 3]]))
+    target = owner_with(torch.zeros(2, 5), {1: 5}, persist_constraints=True)
+    target.load_state_dict(state)
+    assert target.x.constraints == {1: 3}
+    assert torch.equal(target.x.value, torch.ones(2, 3))  # type: ignore[arg-type]
+
+
+def test_loading_data_with_another_size_along_a_free_dim_takes_the_loaded_shape() -> None:
+    source = owner_with(torch.arange(12.0).reshape(4, 3), {1: 3})
+    target = owner_with(torch.zeros(2, 3), {1: 3})
+    target.load_state_dict(source.state_dict())
+    assert torch.equal(target.x.value, torch.arange(12.0).reshape(4, 3))  # type: ignore[arg-type]
+
+
+def test_loading_a_free_dim_resize_into_parameter_data_keeps_the_parameter() -> None:
+    source = owner_with(nn.Parameter(torch.ones(4, 3)), {1: 3})
+    p = nn.Parameter(torch.zeros(2, 3))
+    target = owner_with(p, {1: 3})
+    target.load_state_dict(source.state_dict())
+    assert target.x.value is p
+    assert torch.equal(p.detach(), torch.ones(4, 3))
+
+
+def test_loading_data_that_violates_the_constraints_raises_and_keeps_the_data() -> None:
+    source = owner_with(torch.ones(2, 4), {})
+    target = owner_with(torch.zeros(2, 3), {1: 3})
+    before = snapshot(target)
+    with pytest.raises(RuntimeError, match=r"_x_data: ShapedTensor 'x': shape \(2, 4\) violates"):
+        target.load_state_dict(source.state_dict())
+    assert same(snapshot(target), before)
+
+
+def test_saved_constraints_load_strictly_into_a_module_that_does_not_persist_them() -> None:
+    source = owner_with(torch.ones(2, 3), {1: 3}, persist_constraints=True)
+    target = owner_with(torch.zeros(2, 3), {0: 2, 1: 3})
+    target.load_state_dict(source.state_dict())
+    assert target.x.constraints == {0: 2, 1: 3}
+
+
+def test_a_checkpoint_without_constraints_loads_strictly_into_a_persisting_module() -> None:
+    source = owner_with(torch.ones(2, 3), {1: 3})
+    target = owner_with(torch.zeros(2, 3), {1: 3}, persist_constraints=True)
+    target.load_state_dict(source.state_dict())
+    assert target.x.constraints == {1: 3}
+
+
+def test_invalid_saved_constraints_raise_and_change_nothing() -> None:
+    source = owner_with(torch.ones(2, 3), {1: 3}, persist_constraints=True)
+    state = source.state_dict()
+    state["_x_constraints"] = torch.tensor([1.0, 3.0])
+    target = owner_with(torch.zeros(2, 3), {1: 3}, persist_constraints=True)
+    with pytest.raises(RuntimeError, match="invalid constraints for x"):
+        target.load_state_dict(state)
+    assert target.x.constraints == {1: 3}
+
+
+def test_nested_modules_save_and_load_constraints_under_their_prefix() -> None:
+    source = nn.Sequential(owner_with(torch.ones(2, 3), {1: 3}, persist_constraints=True))
+    assert "0._x_constraints" in source.state_dict()
+    target = nn.Sequential(owner_with(torch.zeros(1, 7), {1: 7}, persist_constraints=True))
+    target.load_state_dict(source.state_dict())
+    assert target[0].x.constraints == {1: 3}
+
+
+def test_persist_constraints_is_settable() -> None:
+    m = owner_with(torch.ones(2, 3), {1: 3})
+    m.x.persist_constraints = True
+    assert "_x_constraints" in m.state_dict()
+
+
+# --- module conversions, meta, fake -------------------------------------------------------------------------------
+
+
+def test_data_follows_module_conversions() -> None:
+    m = owner_with(torch.ones(2, 3), {1: 3})
+    m.half()
+    assert m.x.value.dtype == torch.float16  # type: ignore[union-attr]
+    m.to("meta")
+    assert m.x.value.device == torch.device("meta")  # type: ignore[union-attr]
+    m.to_empty(device="cpu")
+    assert m.x.value.shape == (2, 3)  # type: ignore[union-attr]
+
+
+def test_reconstrain_on_the_meta_device_allocates_nothing() -> None:
+    with torch.device("meta"):
+        m = owner_with(torch.ones(2, 3), {1: 3})
+    m.x.reconstrain(0, 10)
+    assert m.x.value.device == torch.device("meta")  # type: ignore[union-attr]
+    assert m.x.value.shape == (10, 3)  # type: ignore[union-attr]
+
+
+def test_works_under_fake_tensor_mode_without_materializing_data() -> None:
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode():
+        m = owner_with(torch.ones(4, 3), {1: 3})
+        m.x.reconstrain(0, 1000)
+        m.x.reconstrain(1, 7)
+    assert isinstance(m.x.value, FakeTensor)
+    assert m.x.value.shape == (1000, 7)
+
+
+# --- cleanup and bad input ----------------------------------------------------------------------------------------
+
+
+def test_deleting_the_attribute_removes_its_data_and_hooks() -> None:
+    m = owner_with(torch.ones(2), persist_constraints=True)
+    del m.x
+    assert "_x_data" not in m._buffers
+    assert not m._state_dict_hooks
+    assert not m._load_state_dict_pre_hooks
+    assert m.state_dict() == {}
+
+
+def test_recreating_an_attribute_never_deletes_the_new_storage() -> None:
+    m = owner_with(torch.ones(2), {0: 2})
+    old = m.x
+    new_data = torch.zeros(5)
+    ShapedTensor.create(m, "x", new_data, {0: 5})
+    del old
+    gc.collect()
+    assert m._buffers["_x_data"] is new_data
+    assert m.x.value is new_data
+
+
+def test_failed_construction_leaves_an_existing_attribute_intact() -> None:
+    m = owner_with(torch.ones(2), {0: 2})
+    before = snapshot(m)
+    with pytest.raises(ValueError, match="violates"):
+        ShapedTensor(m, "x", torch.ones(3), {0: 2})
+    gc.collect()
+    assert same(snapshot(m), before)
+    assert m.x.value is not None
+
+
+def test_owners_that_define_len_work() -> None:
+    owner = nn.Sequential()
+    ShapedTensor(owner, "x", torch.ones(2), {0: 2})
+    assert owner.x.valid
+    del owner.x
+    assert "_x_data" not in owner._buffers
+
+
+def test_deleting_the_owner_frees_it_by_reference_counting() -> None:
+    gc.collect()
+    gc.disable()
+    try:
+        m = owner_with(torch.ones(2), {0: 2}, persist_constraints=True)
+        alive = weakref.ref(m)
+        del m
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
+def test_valid_is_false_once_the_owner_is_gone() -> None:
+    m = owner_with(torch.ones(2), {0: 2})
+    x = m.x
+    del m
+    gc.collect()
+    assert not x.valid
+    with pytest.raises(ReferenceError, match="'x' has no owner"):
+        x.value
+
+
+@pytest.mark.parametrize(
+    ("constraints", "error", "match"),
+    [
+        ({"0": 2}, TypeError, "constrained dim must be an int"),
+        ({0: -2}, ValueError, "must be non-negative"),
+        ({0: 2.5}, TypeError, "must be an int"),
+        ({True: 2}, TypeError, "constrained dim must be an int"),
+        ([(0, 2)], TypeError, "must be a mapping"),
+        ({0: 3}, ValueError, r"shape \(2,\) violates"),
+    ],
+)
+def test_bad_constructor_input_raises_and_changes_nothing(
+    constraints: object, error: type[Exception], match: str
+) -> None:
+    m = nn.Module()
+    m.register_buffer("other", torch.ones(1))
+    before = snapshot(m)
+    with pytest.raises(error, match=match):
+        ShapedTensor(m, "x", torch.ones(2), constraints)  # type: ignore[arg-type]
+    assert same(snapshot(m), before)
+
+
+def test_name_clash_with_derived_name_is_rejected() -> None:
+    m = nn.Module()
+    m.register_buffer("_x_data", torch.ones(1))
+    with pytest.raises(ValueError, match=r"'_x_data'.*a buffer"):
+        ShapedTensor(m, "x", torch.ones(2))
+
+
+def test_value_that_is_not_a_tensor_is_rejected_at_construction() -> None:
+    with pytest.raises(TypeError, match="value must be a Tensor or None, got int"):
+        ShapedTensor(nn.Module(), "x", 3)  # type: ignore[arg-type]
+
+
+def test_repr_shows_name_and_constraints() -> None:
+    m = owner_with(torch.ones(2), {0: 2})
+    assert repr(m.x) == "ShapedTensor(name='x', constraints={0: 2}, owner=Module)"
