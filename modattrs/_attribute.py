@@ -63,8 +63,9 @@ class OwnedAttribute:
 
     def _owner_gone(self) -> ReferenceError:
         return ReferenceError(
-            f"{type(self).__name__} {self._name!r} has no owner: the module it belonged to was deleted. "
-            "Keep a reference to the module for as long as its attributes are used."
+            f"{type(self).__name__} {self._name!r} has no owner: the module it belonged to was deleted (a "
+            "temporary, as in Model().attr.value, is deleted at once); keep a reference to the module while "
+            "its attributes are used"
         )
 
     # Subclasses override these two; the hooks below call them on the attribute bound under the name.

@@ -65,8 +65,8 @@ class VirtualTensor(OwnedAttribute):
     LinkedAttributes = VirtualTensorAttributes
     _suffixes = ("ref",)
 
-    _method: str | None
-    _function: Materializer | None
+    _method: str | None  # the method's name, for a string materializer
+    _function: Materializer  # called as fn(owner, dtype, device); for a method, its underlying function
     _dtype: torch.dtype | None  # None: follow the reference's dtype; otherwise the fixed dtype
     _ref_name: str
 
@@ -136,19 +136,21 @@ class VirtualTensor(OwnedAttribute):
         ref = owner._buffers.get(self._ref_name)
         if ref is None:
             raise self._reference_gone()
-        dtype = ref.dtype if self._dtype is None else self._dtype
+        dtype = self._dtype or ref.dtype  # dtypes are truthy: this reads "the fixed dtype, if any"
         device = ref.device
-        if self._method is not None:
-            result = getattr(owner, self._method)(dtype, device)
-        else:
-            assert self._function is not None
-            result = self._function(owner, dtype, device)
-        if not isinstance(result, Tensor):
-            raise TypeError(
-                f"the materializer {self._materializer_name()} of VirtualTensor {self._name!r} returned "
-                f"{type(result).__name__}, expected a Tensor"
-            )
-        if result.dtype != dtype or result.device != device:
+        result = self._function(owner, dtype, device)
+        # dtypes are singletons, so `is` is exact; comparing devices is dearer, so it comes second. The type check
+        # is only needed when something is off: a non-tensor fails the attribute reads or the comparisons.
+        try:
+            convert = result.dtype is not dtype or result.device != device
+        except AttributeError:
+            convert = True
+        if convert:
+            if not isinstance(result, Tensor):
+                raise TypeError(
+                    f"the materializer {self._materializer_name()} of VirtualTensor {self._name!r} returned "
+                    f"{type(result).__name__}, expected a Tensor"
+                )
             result = result.to(device=device, dtype=dtype)
         return result
 
@@ -253,10 +255,11 @@ class VirtualTensor(OwnedAttribute):
     def _materializer_name(self) -> str:
         if self._method is not None:
             return repr(self._method)
-        return getattr(self._function, "__qualname__", repr(self._function))
+        return str(getattr(self._function, "__qualname__", repr(self._function)))
 
 
-def _check_materializer(owner: nn.Module, name: str, materializer: object) -> tuple[str | None, Materializer | None]:
+def _check_materializer(owner: nn.Module, name: str, materializer: object) -> tuple[str | None, Materializer]:
+    """Return the method name (for a string) and a function called as ``fn(owner, dtype, device)``."""
     if isinstance(materializer, str):
         try:
             method = getattr(owner, materializer)
@@ -265,13 +268,16 @@ def _check_materializer(owner: nn.Module, name: str, materializer: object) -> tu
                 f"VirtualTensor {name!r}: {type(owner).__name__} has no attribute {materializer!r} to use as "
                 "its materializer"
             ) from None
-        if not isinstance(method, types.MethodType):
+        if not isinstance(method, types.MethodType) or method.__self__ is not owner:
+            kind = "classmethod" if isinstance(method, types.MethodType) else type(method).__name__
             raise TypeError(
                 f"VirtualTensor {name!r}: the materializer {materializer!r} must name a method of "
-                f"{type(owner).__name__}, got {type(method).__name__}; pass a callable fn(owner, dtype, device) "
-                "instead"
+                f"{type(owner).__name__}, got {kind}; pass a callable fn(owner, dtype, device) instead"
             )
-        return materializer, None
+        # The plain function, called with the owner: no bound method, hence no reference to the owner, and
+        # nothing that torch.compile cannot trace (weakref.WeakMethod is such a thing).
+        function: Materializer = method.__func__
+        return materializer, function
     if not callable(materializer):
         raise TypeError(
             f"VirtualTensor {name!r}: materializer must be a method name or a callable fn(owner, dtype, device), "

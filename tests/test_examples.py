@@ -1,0 +1,26 @@
+"""Every script in examples/ runs, and says what it promises."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+# A line each example must print: what it demonstrates, checked rather than assumed.
+EXPECTED = {
+    "quickstart.py": "VirtualTensor correct after meta init + to_empty: True",
+    "kv_cache.py": "after shrinking the batch to 1: (1, 4, 4, 8)",
+}
+
+
+def test_every_example_is_checked() -> None:
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_example_runs_and_prints_its_result(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+    assert EXPECTED[name] in capsys.readouterr().out
