@@ -8,12 +8,13 @@ Both :class:`~modattrs.VirtualTensor` and :class:`~modattrs.ShapedTensor` are ob
 * a weak reference to the owner, so that an attribute never keeps its module alive;
 * a finalizer that removes the derived names when the attribute goes away, unless a newer attribute of the
   same name has claimed them;
-* per-attribute state-dict hooks, dispatched to the attribute currently bound under the name.
+* per-attribute state-dict hooks, dispatched to the attribute currently bound under the name;
+* rebinding on ``copy.deepcopy``, ``pickle`` and ``torch.save`` of the module: an attribute reduces to its class,
+  its owner and its own fields, so that the copy is bound to the copied module and gets a finalizer of its own.
 """
 
 from __future__ import annotations
 
-import functools
 import keyword
 import weakref
 from collections.abc import Mapping
@@ -35,7 +36,7 @@ class OwnedAttribute:
     _owner_ref: weakref.ref[nn.Module]
     _name: str
     _finalizer: weakref.finalize[Any, Any] | None
-    _hook_ids: tuple[int, int]
+    _hook_ids: tuple[int, int, int]
 
     @classmethod
     def _derived(cls, name: str) -> tuple[str, ...]:
@@ -68,12 +69,45 @@ class OwnedAttribute:
             "its attributes are used"
         )
 
-    # Subclasses override these two; the hooks below call them on the attribute bound under the name.
+    # Subclasses override these three; the hooks below call them on the attribute bound under the name.
     def _on_state_dict(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
         pass
 
     def _on_load(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
         pass
+
+    def _on_loaded(self, owner: nn.Module) -> None:
+        pass
+
+    # Copying and pickling. The owner is passed strongly: copy.deepcopy maps it through its memo to the module
+    # being copied, and pickle to the module being unpickled (memoized before its state, so the cycle resolves).
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self._live_owner(), self._fields()))
+
+    def _fields(self) -> dict[str, Any]:
+        """The attribute's own state: every slot but the binding to an owner."""
+        return {
+            slot: getattr(self, slot)
+            for cls in type(self).__mro__
+            for slot in cls.__dict__.get("__slots__", ())
+            if slot not in _BINDING
+        }
+
+    def _rebind(self, owner: nn.Module) -> None:
+        """Finish a copy bound to ``owner``, which may still be empty (being unpickled): do not read its state."""
+
+
+_BINDING = frozenset({"__weakref__", "_owner_ref", "_finalizer"})
+
+
+def _rebuild(cls: type[OwnedAttribute], owner: nn.Module, fields: dict[str, Any]) -> OwnedAttribute:
+    attribute = cls.__new__(cls)
+    for slot, value in fields.items():
+        setattr(attribute, slot, value)
+    attribute._owner_ref = weakref.ref(owner)
+    attribute._rebind(owner)
+    attribute._finalizer = arm_finalizer(attribute)
+    return attribute
 
 
 def check_owner(kind: str, owner: object) -> nn.Module:
@@ -163,12 +197,16 @@ def arm_finalizer(attribute: OwnedAttribute) -> weakref.finalize[Any, Any]:
     return finalizer
 
 
-def _release(owner_ref: weakref.ref[nn.Module], name: str, derived: tuple[str, ...], hook_ids: tuple[int, int]) -> None:
+def _release(
+    owner_ref: weakref.ref[nn.Module], name: str, derived: tuple[str, ...], hook_ids: tuple[int, int, int]
+) -> None:
     owner = owner_ref()
     if owner is None:
         return
-    owner._state_dict_hooks.pop(hook_ids[0], None)
-    owner._load_state_dict_pre_hooks.pop(hook_ids[1], None)
+    save, load, loaded = hook_ids
+    owner._state_dict_hooks.pop(save, None)
+    owner._load_state_dict_pre_hooks.pop(load, None)
+    owner._load_state_dict_post_hooks.pop(loaded, None)
     current = owner.__dict__.get(name)
     kept = type(current)._derived(name) if isinstance(current, OwnedAttribute) else ()
     for derived_name in derived:
@@ -183,13 +221,12 @@ def remove_registered(owner: nn.Module, name: str) -> None:
     owner.__dict__.pop(name, None)
 
 
-def register_hooks(owner: nn.Module, name: str) -> tuple[int, int]:
-    """Register the state-dict hooks of attribute ``name`` and return their ids (for removal and copies)."""
-    # Plain functions bound by partial, never bound methods: a module holding a bound method of itself in its
-    # hook dicts would be a reference cycle, freed only by the cyclic garbage collector.
-    save = owner.register_state_dict_post_hook(functools.partial(_state_dict_hook, name))  # type: ignore[no-untyped-call]
-    load = owner.register_load_state_dict_pre_hook(functools.partial(_load_pre_hook, name))  # type: ignore[no-untyped-call]
-    return save.id, load.id
+def register_hooks(owner: nn.Module, name: str) -> tuple[int, int, int]:
+    """Register the state-dict hooks of attribute ``name`` and return their ids (kept by copies of the module)."""
+    save = owner.register_state_dict_post_hook(SaveHook(name))  # type: ignore[no-untyped-call]
+    load = owner.register_load_state_dict_pre_hook(LoadHook(name))  # type: ignore[no-untyped-call]
+    loaded = owner.register_load_state_dict_post_hook(LoadedHook(name))  # type: ignore[no-untyped-call]
+    return save.id, load.id, loaded.id
 
 
 def current_attribute(module: nn.Module, name: str) -> OwnedAttribute | None:
@@ -197,26 +234,60 @@ def current_attribute(module: nn.Module, name: str) -> OwnedAttribute | None:
     return attribute if isinstance(attribute, OwnedAttribute) else None
 
 
-def _state_dict_hook(name: str, module: nn.Module, state_dict: dict[str, Any], prefix: str, _: object) -> None:
-    attribute = current_attribute(module, name)
-    if attribute is not None:
-        attribute._on_state_dict(module, state_dict, prefix)
+# The hooks are small objects naming the attribute, not bound methods: a module holding a bound method of itself
+# would be a reference cycle. They pickle as (class, name), so a weights_only load needs only these classes.
+class _Hook:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.name,))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
 
 
-def _load_pre_hook(
-    name: str,
-    module: nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: Mapping[str, Any],
-    strict: bool,
-    missing_keys: list[str],
-    unexpected_keys: list[str],
-    error_msgs: list[str],
-) -> None:
-    attribute = current_attribute(module, name)
-    if attribute is not None:
-        attribute._on_load(module, state_dict, prefix, error_msgs)
+class SaveHook(_Hook):
+    __slots__ = ("_from_public_api",)  # set by register_state_dict_post_hook: the hook edits in place
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._from_public_api = True
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: object) -> None:
+        attribute = current_attribute(module, self.name)
+        if attribute is not None:
+            attribute._on_state_dict(module, state_dict, prefix)
+
+
+class LoadHook(_Hook):
+    __slots__ = ()
+
+    def __call__(
+        self,
+        module: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: Mapping[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        attribute = current_attribute(module, self.name)
+        if attribute is not None:
+            attribute._on_load(module, state_dict, prefix, error_msgs)
+
+
+class LoadedHook(_Hook):
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, incompatible_keys: object) -> None:
+        attribute = current_attribute(module, self.name)
+        if attribute is not None:
+            attribute._on_loaded(module)
 
 
 def stored_tensor(owner: nn.Module, name: str) -> Tensor | None:

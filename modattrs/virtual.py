@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from modattrs._attribute import OwnedAttribute, bind, check_names, check_owner
 
-__all__ = ["VirtualTensor"]
+__all__ = ["VirtualTensor", "sync_references"]
 
 #: A callable materializer: ``fn(owner, dtype, device) -> Tensor``.
 Materializer = Callable[[nn.Module, torch.dtype, torch.device], Tensor]
@@ -237,6 +237,52 @@ class VirtualTensor(OwnedAttribute):
             self._dtype = dtype
         return self
 
+    def _fields(self) -> dict[str, Any]:
+        fields = super()._fields()
+        if self._method is not None:
+            fields["_function"] = None  # looked up again on the owner's class: nothing to pickle but a name
+        return fields
+
+    def _rebind(self, owner: nn.Module) -> None:
+        if self._method is not None:
+            function = getattr(type(owner), self._method, None)
+            if not callable(function):
+                raise AttributeError(
+                    f"cannot rebuild VirtualTensor {self._name!r}: {type(owner).__name__} has no method "
+                    f"{self._method!r} any more"
+                )
+            self._function = function
+
+    def _on_load(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
+        # The reference holds no data, so its key is tolerated both ways: a checkpoint saved with persist=True
+        # loads into a module that does not persist it, and one without the key (saved with persist=False, or
+        # before the attribute existed) loads into a module that does.
+        key = prefix + self._ref_name
+        ref = owner._buffers.get(self._ref_name)
+        if ref is None:
+            return
+        if self.persist:
+            state_dict.setdefault(key, ref)
+        else:
+            state_dict.pop(key, None)
+
+    def _on_loaded(self, owner: nn.Module) -> None:
+        # load_state_dict(assign=True) into a meta-built module replaces parameters and persistent buffers but
+        # leaves a non-persistent reference on meta, and may assign a persisted reference of any dtype. Put the
+        # reference where the loaded data is.
+        ref = owner._buffers.get(self._ref_name)
+        if ref is None:
+            return
+        follows = self._dtype is None
+        if not ref.is_meta and not (follows and not _can_follow(ref.dtype)):
+            return
+        loaded = _first_real_floating_tensor(owner)
+        if loaded is None:
+            return
+        device = loaded.device if ref.is_meta else ref.device
+        dtype = loaded.dtype if follows else ref.dtype
+        owner._buffers[self._ref_name] = ref.new_empty(0, dtype=dtype, device=device)
+
     def __repr__(self) -> str:
         return f"VirtualTensor(name={self._name!r}, materializer={self._materializer_name()}, {self._where()})"
 
@@ -306,6 +352,52 @@ def _make_reference(name: str, dtype: torch.dtype, device: object) -> Tensor:
         return torch.empty(0, dtype=dtype, device=checked)
     except (RuntimeError, AssertionError) as error:
         raise ValueError(f"VirtualTensor {name!r}: cannot use device {checked}: {error}") from None
+
+
+def sync_references(
+    module: nn.Module, device: torch.device | str | int | None = None, dtype: torch.dtype | None = None
+) -> None:
+    """Move every :class:`VirtualTensor` reference in ``module`` that is on the meta device to where the data is.
+
+    ``load_state_dict(state, assign=True)`` into a model built on the meta device replaces its parameters and
+    persistent buffers, and leaves non-persistent buffers, references included, on meta. An attribute whose owner
+    holds parameters or buffers moves its reference by itself after such a load; one whose owner holds none (a
+    rotary-embedding module, say) cannot know where the rest of the model went. This function does it for the
+    whole model: the device and, for attributes that follow the module's dtype, the dtype are ``device`` and
+    ``dtype`` when given, and otherwise those of the first floating-point tensor with data in ``module``.
+
+    Raises:
+        ValueError: a reference is on meta, no ``device`` was given and ``module`` has no tensor with data.
+    """
+    pending = [
+        attribute
+        for submodule in module.modules()
+        for attribute in list(submodule.__dict__.values())
+        if isinstance(attribute, VirtualTensor) and attribute._reference().is_meta
+    ]
+    if not pending:
+        return
+    if device is None or dtype is None:
+        loaded = _first_real_floating_tensor(module)
+        if loaded is None and device is None:
+            raise ValueError(
+                f"cannot move {len(pending)} VirtualTensor reference(s) off the meta device: "
+                f"{type(module).__name__} holds no tensor with data to take the device from; pass device="
+            )
+        device = loaded.device if device is None and loaded is not None else device
+        dtype = loaded.dtype if dtype is None and loaded is not None else dtype
+    for attribute in pending:
+        attribute.to(device=device)
+        if attribute.follow_dtype and dtype is not None:
+            attribute.to(dtype=dtype)
+
+
+def _first_real_floating_tensor(module: nn.Module) -> Tensor | None:
+    """The first floating-point tensor with data of ``module``: its own parameters and buffers, then its children's."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.is_floating_point() and tensor.numel() and not tensor.is_meta:
+            return tensor
+    return None
 
 
 def _can_follow(dtype: torch.dtype) -> bool:
