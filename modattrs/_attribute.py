@@ -53,9 +53,15 @@ class OwnedAttribute:
         return self._owner_ref()
 
     def _live_owner(self) -> nn.Module:
+        """The owner, for an attribute that is still ``owner.<name>``; otherwise a clear error."""
         owner = self._owner_ref()
         if owner is None:
             raise self._owner_gone()
+        if owner.__dict__.get(self._name) is not self:
+            raise ReferenceError(
+                f"this {type(self).__name__} {self._name!r} is detached: it was deleted from or replaced on its "
+                f"{type(owner).__name__}; use {type(owner).__name__}.{self._name} instead of an old reference"
+            )
         return owner
 
     def _where(self) -> str:
@@ -63,6 +69,11 @@ class OwnedAttribute:
         return "no owner" if owner is None else f"owner={type(owner).__name__}"
 
     def _owner_gone(self) -> ReferenceError:
+        if self._owner_ref is _DETACHED:
+            return ReferenceError(
+                f"this {type(self).__name__} {self._name!r} is detached: a newer attribute of the same name "
+                "replaced it on its module; read the module's attribute instead of an old reference"
+            )
         return ReferenceError(
             f"{type(self).__name__} {self._name!r} has no owner: the module it belonged to was deleted (a "
             "temporary, as in Model().attr.value, is deleted at once); keep a reference to the module while "
@@ -100,6 +111,13 @@ class OwnedAttribute:
 _BINDING = frozenset({"__weakref__", "_owner_ref", "_finalizer"})
 
 
+class _Nothing:
+    """Stands for the owner of a replaced attribute: a weak reference to it is always dead."""
+
+
+_DETACHED: weakref.ref[Any] = weakref.ref(_Nothing())
+
+
 def _rebuild(cls: type[OwnedAttribute], owner: nn.Module, fields: dict[str, Any]) -> OwnedAttribute:
     attribute = cls.__new__(cls)
     for slot, value in fields.items():
@@ -128,17 +146,12 @@ def check_names(attribute: OwnedAttribute, owner: nn.Module, name: object) -> st
         raise TypeError(f"{kind} name must be a str, got {type(name).__name__}")
     if not name.isidentifier() or keyword.iskeyword(name):
         raise ValueError(f"{kind} name must be a Python identifier that is not a keyword, got {name!r}")
-    current = owner.__dict__.get(name)
-    if isinstance(current, OwnedAttribute):
-        # Re-creating an attribute of the same name replaces it; the old one's finalizer keeps what we claim.
-        claimed = set(type(current)._derived(name))
-    else:
-        if _occupied(owner, name):
-            raise ValueError(
-                f"cannot create {kind} {name!r}: {type(owner).__name__} already has an attribute {name!r} "
-                f"({_describe(owner, name)}); choose another name or delete the attribute first"
-            )
-        claimed = set()
+    if not isinstance(owner.__dict__.get(name), OwnedAttribute) and _occupied(owner, name):
+        raise ValueError(
+            f"cannot create {kind} {name!r}: {type(owner).__name__} already has an attribute {name!r} "
+            f"({_describe(owner, name)}); choose another name or delete the attribute first"
+        )
+    claimed = {derived for hook in _hooks_of(owner, name) for derived in hook.derived}
     for derived_name in type(attribute)._derived(name):
         if derived_name not in claimed and _occupied(owner, derived_name):
             raise ValueError(
@@ -148,6 +161,31 @@ def check_names(attribute: OwnedAttribute, owner: nn.Module, name: object) -> st
     attribute._name = name
     attribute._owner_ref = weakref.ref(owner)
     return name
+
+
+def take_over(owner: nn.Module, name: str) -> None:
+    """Remove what earlier attributes named ``name`` registered: the bound one, and any deleted from the module
+    but still referenced elsewhere (their finalizers have not run). Call once validation has passed."""
+    current = owner.__dict__.get(name)
+    for hooks in (owner._state_dict_hooks, owner._load_state_dict_pre_hooks, owner._load_state_dict_post_hooks):
+        for hook_id, registered in list(hooks.items()):
+            hook = _unwrap(registered)
+            if isinstance(hook, _Hook) and hook.name == name:
+                del hooks[hook_id]
+                for derived_name in hook.derived:
+                    remove_registered(owner, derived_name)
+    if isinstance(current, OwnedAttribute):
+        current._owner_ref = _DETACHED
+
+
+def _hooks_of(owner: nn.Module, name: str) -> list[_Hook]:
+    # Every attribute registers one SaveHook until its finalizer runs: the hooks are the record of who owns what.
+    return [h for h in owner._state_dict_hooks.values() if isinstance(h, SaveHook) and h.name == name]
+
+
+def _unwrap(hook: object) -> object:
+    # register_load_state_dict_pre_hook wraps hooks in torch's _WrappedHook, which keeps them as `.hook`.
+    return getattr(hook, "hook", hook)
 
 
 def _occupied(owner: nn.Module, name: str) -> bool:
@@ -177,7 +215,7 @@ def bind(attribute: OwnedAttribute, owner: nn.Module) -> None:
 
     Call this only after the derived names were registered: from here on, the attribute's death removes them.
     """
-    attribute._hook_ids = register_hooks(owner, attribute._name)
+    attribute._hook_ids = register_hooks(owner, attribute._name, type(attribute)._derived(attribute._name))
     attribute._finalizer = arm_finalizer(attribute)
     setattr(owner, attribute._name, attribute)
 
@@ -221,11 +259,11 @@ def remove_registered(owner: nn.Module, name: str) -> None:
     owner.__dict__.pop(name, None)
 
 
-def register_hooks(owner: nn.Module, name: str) -> tuple[int, int, int]:
+def register_hooks(owner: nn.Module, name: str, derived: tuple[str, ...]) -> tuple[int, int, int]:
     """Register the state-dict hooks of attribute ``name`` and return their ids (kept by copies of the module)."""
-    save = owner.register_state_dict_post_hook(SaveHook(name))  # type: ignore[no-untyped-call]
-    load = owner.register_load_state_dict_pre_hook(LoadHook(name))  # type: ignore[no-untyped-call]
-    loaded = owner.register_load_state_dict_post_hook(LoadedHook(name))  # type: ignore[no-untyped-call]
+    save = owner.register_state_dict_post_hook(SaveHook(name, derived))  # type: ignore[no-untyped-call]
+    load = owner.register_load_state_dict_pre_hook(LoadHook(name, derived))  # type: ignore[no-untyped-call]
+    loaded = owner.register_load_state_dict_post_hook(LoadedHook(name, derived))  # type: ignore[no-untyped-call]
     return save.id, load.id, loaded.id
 
 
@@ -237,13 +275,14 @@ def current_attribute(module: nn.Module, name: str) -> OwnedAttribute | None:
 # The hooks are small objects naming the attribute, not bound methods: a module holding a bound method of itself
 # would be a reference cycle. They pickle as (class, name), so a weights_only load needs only these classes.
 class _Hook:
-    __slots__ = ("name",)
+    __slots__ = ("derived", "name")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, derived: tuple[str, ...]) -> None:
         self.name = name
+        self.derived = derived  # what the attribute registered: a record for take_over
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.name,))
+        return (type(self), (self.name, self.derived))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
@@ -252,8 +291,8 @@ class _Hook:
 class SaveHook(_Hook):
     __slots__ = ("_from_public_api",)  # set by register_state_dict_post_hook: the hook edits in place
 
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
+    def __init__(self, name: str, derived: tuple[str, ...]) -> None:
+        super().__init__(name, derived)
         self._from_public_api = True
 
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: object) -> None:

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from modattrs._attribute import OwnedAttribute, bind, check_names, check_owner, stored_tensor
+from modattrs._attribute import OwnedAttribute, bind, check_names, check_owner, stored_tensor, take_over
 
 __all__ = ["ShapedTensor"]
 
@@ -98,6 +98,7 @@ class ShapedTensor(OwnedAttribute):
         self._strict = bool(strict)
         self._live = bool(live)
         self._persist_constraints = bool(persist_constraints)
+        take_over(owner, name)
         if is_parameter:
             owner.register_parameter(self._data_name, value)  # type: ignore[arg-type]
         else:
@@ -131,10 +132,7 @@ class ShapedTensor(OwnedAttribute):
         Assigning checks the constraints when :attr:`live` is set. A plain tensor assigned to parameter-backed
         data replaces the parameter's ``.data``, so the ``Parameter`` object (and an optimizer holding it) stays.
         """
-        owner = self._owner_ref()
-        if owner is None:
-            raise self._owner_gone()
-        return stored_tensor(owner, self._data_name)
+        return stored_tensor(self._live_owner(), self._data_name)
 
     @value.setter
     def value(self, value: Tensor | None) -> None:
@@ -184,7 +182,19 @@ class ShapedTensor(OwnedAttribute):
 
     @strict.setter
     def strict(self, strict: bool) -> None:
-        self._strict = bool(strict)
+        strict = bool(strict)
+        value = self.value
+        if (
+            value is not None
+            and not _ignored(value)
+            and self.compatible(value)
+            and not _satisfies(value.shape, self._constraints, strict)
+        ):
+            raise ValueError(
+                f"cannot make ShapedTensor {self._name!r} {'strict' if strict else 'non-strict'}: its data's "
+                + _violation(value.shape, self._constraints, strict)
+            )
+        self._strict = strict
 
     @property
     def persist_data(self) -> bool:
@@ -296,39 +306,73 @@ class ShapedTensor(OwnedAttribute):
         return f"ShapedTensor(name={self._name!r}, constraints={self._constraints}, {self._where()})"
 
     def _store(self, owner: nn.Module, value: Tensor | None) -> None:
-        current = owner._parameters.get(self._data_name)
-        if current is not None and isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
-            current.data = value
-        else:
-            setattr(owner, self._data_name, value)
+        name = self._data_name
+        if name in owner._parameters and isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
+            current = owner._parameters[name]
+            if current is None or isinstance(current, _UNINITIALIZED):
+                value = nn.Parameter(value)  # the data stays a parameter
+            else:
+                if current.shape != value.shape:
+                    current.grad = None  # a gradient of the old shape would break the next backward or step
+                current.data = value
+                return
+        setattr(owner, name, value)
 
     def _on_state_dict(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
         if self._persist_constraints:
             state_dict[prefix + self._constraints_key] = _encode(self._constraints)
 
     def _on_load(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
-        # Constraints saved by a module that persisted them are consumed here in any case, so that turning
-        # persist_constraints on or off never breaks a strict load; they are applied only when persisting.
+        # Saved constraints are consumed in any case, so that switching persist_constraints never breaks a strict
+        # load; they replace the current ones only when this attribute persists them.
         saved = state_dict.pop(prefix + self._constraints_key, None)
+        data_key = prefix + self._data_name
+        current = stored_tensor(owner, self._data_name)
         constraints = self._constraints
         if saved is not None and self._persist_constraints:
             try:
                 constraints = _check_constraints(self._name, _decode(saved))
             except (TypeError, ValueError) as error:
                 error_msgs.append(f"invalid constraints for {prefix}{self._name}: {error}")
+                self._keep_data(state_dict, data_key, current)
                 return
-        data_key = prefix + self._data_name
-        loaded = state_dict.get(data_key)
-        current = stored_tensor(owner, self._data_name)
-        if isinstance(loaded, Tensor) and not _ignored(loaded):
-            if not _satisfies(loaded.shape, constraints, self._strict):
-                error_msgs.append(f"{data_key}: {_mismatch(self._name, loaded.shape, constraints, self._strict)}")
-                return
-            if isinstance(current, Tensor) and current.shape != loaded.shape:
-                # Free dims take the loaded size: reshape the destination so torch's copy sees no mismatch.
+        persistent = self._data_name not in owner._non_persistent_buffers_set
+        loaded = state_dict.get(data_key) if persistent else None
+        incoming = loaded if isinstance(loaded, Tensor) else current  # what the data will be after the load
+        if (
+            incoming is not None
+            and not _ignored(incoming)
+            and not _satisfies(incoming.shape, constraints, self._strict)
+        ):
+            error_msgs.append(
+                f"{prefix}{self._name}: {_mismatch(self._name, incoming.shape, constraints, self._strict)}"
+            )
+            self._keep_data(state_dict, data_key, current)
+            return
+        if isinstance(loaded, Tensor) and (
+            current is None or isinstance(current, _UNINITIALIZED) or current.shape != loaded.shape
+        ):
+            # torch copies into the existing tensor and refuses another shape, or skips None: put a tensor of the
+            # loaded shape, holding the loaded values, in place first (a failed copy leaves nothing behind).
+            try:
                 with torch.no_grad():
-                    self._store(owner, current.new_empty(loaded.shape))
+                    template = loaded if current is None else current
+                    replacement = torch.empty(loaded.shape, dtype=template.dtype, device=template.device)
+                    replacement.copy_(loaded)
+            except (RuntimeError, NotImplementedError) as error:
+                error_msgs.append(f"{data_key}: cannot load the saved data: {error}")
+                self._keep_data(state_dict, data_key, current)
+                return
+            self._store(owner, replacement)
         self._constraints = constraints
+
+    @staticmethod
+    def _keep_data(state_dict: dict[str, Any], key: str, current: Tensor | None) -> None:
+        # The load fails (error_msgs), but torch still copies every key it can: make this one a copy onto itself.
+        if current is None or isinstance(current, _UNINITIALIZED):
+            state_dict.pop(key, None)
+        elif key in state_dict:
+            state_dict[key] = current
 
 
 def _ignored(value: Tensor | None) -> bool:
@@ -340,7 +384,13 @@ def _ignored(value: Tensor | None) -> bool:
 def _dimensionality(constraints: Constraints, strict: bool) -> int:
     forward = max((d + 1 for d in constraints if d >= 0), default=0)
     backward = max((-d for d in constraints if d < 0), default=0)
-    return forward + backward if strict else max(forward, backward)
+    if strict:
+        return forward + backward
+    # Non-strict: a dim d and a dim -e name one axis of an (d + e)-dim tensor, where their sizes must agree.
+    for ndim in range(max(forward, backward), forward + backward):
+        if all(constraints.get(ndim + d, size) == size for d, size in constraints.items() if d < 0):
+            return ndim
+    return forward + backward
 
 
 def _satisfies(shape: torch.Size, constraints: Constraints, strict: bool) -> bool:
@@ -350,12 +400,14 @@ def _satisfies(shape: torch.Size, constraints: Constraints, strict: bool) -> boo
 
 
 def _mismatch(name: str, shape: torch.Size, constraints: Constraints, strict: bool) -> str:
+    return f"ShapedTensor {name!r}: {_violation(shape, constraints, strict)}"
+
+
+def _violation(shape: torch.Size, constraints: Constraints, strict: bool) -> str:
     wanted = ", ".join(f"dim {d}: {s}" for d, s in sorted(constraints.items()))
     mode = "strict" if strict else "non-strict"
-    return (
-        f"ShapedTensor {name!r}: shape {tuple(shape)} violates the constraints {{{wanted}}} ({mode}, needs at "
-        f"least {_dimensionality(constraints, strict)} dims)"
-    )
+    needed = _dimensionality(constraints, strict)
+    return f"shape {tuple(shape)} violates the constraints {{{wanted}}} ({mode}, needs at least {needed} dims)"
 
 
 def _check_int(name: str, what: str, value: object) -> int:

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from modattrs._attribute import OwnedAttribute, bind, check_names, check_owner
+from modattrs._attribute import OwnedAttribute, bind, check_names, check_owner, take_over
 
 __all__ = ["VirtualTensor", "sync_references"]
 
@@ -101,6 +101,7 @@ class VirtualTensor(OwnedAttribute):
         self._function = function
         self._dtype = None if follows else value_dtype
         self._ref_name = ref_name
+        take_over(owner, name)
         owner.register_buffer(ref_name, ref, persistent=bool(persist))
         bind(self, owner)
 
@@ -195,7 +196,7 @@ class VirtualTensor(OwnedAttribute):
                     f"VirtualTensor {self._name!r}: a {self._dtype} value cannot follow the module's dtype; "
                     "set a floating-point dtype first"
                 )
-            owner._buffers[self._ref_name] = ref.new_empty(0, dtype=self._dtype)
+            owner._buffers[self._ref_name] = _make_reference(self._name, self._dtype, ref.device, like=ref)
             self._dtype = None
         elif not follow and self._dtype is None:
             self._dtype = ref.dtype
@@ -215,9 +216,13 @@ class VirtualTensor(OwnedAttribute):
             owner._non_persistent_buffers_set.add(self._ref_name)
 
     def to(self, *args: Any, **kwargs: Any) -> VirtualTensor:
-        """Change the dtype and/or device; accepts the arguments of :meth:`torch.Tensor.to`. Returns ``self``."""
+        """Change the dtype and/or device; accepts the arguments of :meth:`torch.Tensor.to`. Returns ``self``.
+
+        ``non_blocking``, ``copy`` and ``memory_format`` are accepted and have no effect: there is no data to move.
+        """
         owner = self._live_owner()
         ref = self._reference()
+        kwargs.pop("copy", None)
         try:
             device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         except (TypeError, RuntimeError) as error:
@@ -232,7 +237,7 @@ class VirtualTensor(OwnedAttribute):
         ref_dtype = dtype if self._dtype is None else ref.dtype
         if ref.device != device or ref.dtype != ref_dtype:
             # A new empty reference rather than ref.to(): a meta reference has no data to copy.
-            owner._buffers[self._ref_name] = ref.new_empty(0, dtype=ref_dtype, device=device)
+            owner._buffers[self._ref_name] = _make_reference(self._name, ref_dtype, device, like=ref)
         if self._dtype is not None:
             self._dtype = dtype
         return self
@@ -281,7 +286,7 @@ class VirtualTensor(OwnedAttribute):
             return
         device = loaded.device if ref.is_meta else ref.device
         dtype = loaded.dtype if follows else ref.dtype
-        owner._buffers[self._ref_name] = ref.new_empty(0, dtype=dtype, device=device)
+        owner._buffers[self._ref_name] = _make_reference(self._name, dtype, device, like=ref)
 
     def __repr__(self) -> str:
         return f"VirtualTensor(name={self._name!r}, materializer={self._materializer_name()}, {self._where()})"
@@ -346,9 +351,12 @@ def _check_device(name: str, device: object) -> torch.device:
         raise ValueError(f"VirtualTensor {name!r}: invalid device {device!r}: {error}") from None
 
 
-def _make_reference(name: str, dtype: torch.dtype, device: object) -> Tensor:
+def _make_reference(name: str, dtype: torch.dtype, device: object, like: Tensor | None = None) -> Tensor:
+    """A zero-element reference; ``like`` makes it through that tensor, so a fake reference begets a fake one."""
     checked = None if device is None else _check_device(name, device)
     try:
+        if like is not None:
+            return like.new_empty(0, dtype=dtype, device=checked)
         return torch.empty(0, dtype=dtype, device=checked)
     except (RuntimeError, AssertionError) as error:
         raise ValueError(f"VirtualTensor {name!r}: cannot use device {checked}: {error}") from None

@@ -100,6 +100,9 @@ def test_constraints_returns_a_copy() -> None:
         ({1: 1, -2: 1}, True, 4),
         ({1: 1, -2: 1}, False, 2),
         ({-3: 1, 0: 1}, False, 3),
+        ({0: 2, -1: 3}, False, 2),  # one axis cannot be both 2 and 3: two dims at least
+        ({0: 2, 1: 4, -1: 4}, False, 2),
+        ({0: 2, 1: 5, -1: 4}, False, 3),
     ],
 )
 def test_dimensionality_is_the_least_number_of_dims(constraints: dict[int, int], strict: bool, expected: int) -> None:
@@ -184,11 +187,18 @@ def test_assigning_a_non_tensor_raises_type_error_naming_the_attribute() -> None
 
 
 def test_strict_is_settable() -> None:
-    m = owner_with(torch.zeros(2), {0: 2, -1: 2}, strict=False)
-    assert m.x.valid
+    m = owner_with(torch.zeros(2, 2), {0: 2, -1: 2}, strict=False)
     m.x.strict = True
     assert m.x.strict
-    assert not m.x.valid
+    assert m.x.valid
+
+
+def test_making_valid_data_invalid_by_setting_strict_raises_and_changes_nothing() -> None:
+    m = owner_with(torch.zeros(2), {0: 2, -1: 2}, strict=False)
+    with pytest.raises(ValueError, match=r"cannot make ShapedTensor 'x' strict: its data's shape \(2,\) violates"):
+        m.x.strict = True
+    assert not m.x.strict
+    assert m.x.valid
 
 
 # --- reconstrain ------------------------------------------------------------------------------------------------
@@ -254,8 +264,8 @@ def test_reconstrain_with_negative_dim_resizes_the_matching_axis() -> None:
         (True, 2, TypeError, "dim must be an int"),
         (0, -1, ValueError, "must be non-negative"),
         (0, 2.0, TypeError, "must be an int"),
-        (4, 2, ValueError, "needs at least 5 dims"),
-        (-1, 4, ValueError, "violates the constraints"),  # -1 aliases dim 1 (non-strict), which must stay 3
+        (4, 2, ValueError, "needs at least 6 dims"),  # non-strict: at 5 dims, dim 4 (2) and dim -1 (3) collide
+        (-1, 4, ValueError, "needs at least 3 dims"),  # at 2 dims, -1 is dim 1, which must stay 3
     ],
 )
 def test_failed_reconstrain_changes_nothing(dim: object, size: object, error: type[Exception], match: str) -> None:
@@ -420,7 +430,7 @@ def test_loading_data_that_violates_the_constraints_raises_and_keeps_the_data() 
     source = owner_with(torch.ones(2, 4), {})
     target = owner_with(torch.zeros(2, 3), {1: 3})
     before = snapshot(target)
-    with pytest.raises(RuntimeError, match=r"_x_data: ShapedTensor 'x': shape \(2, 4\) violates"):
+    with pytest.raises(RuntimeError, match=r"ShapedTensor 'x': shape \(2, 4\) violates"):
         target.load_state_dict(source.state_dict())
     assert same(snapshot(target), before)
 
@@ -595,3 +605,132 @@ def test_value_that_is_not_a_tensor_is_rejected_at_construction() -> None:
 def test_repr_shows_name_and_constraints() -> None:
     m = owner_with(torch.ones(2), {0: 2})
     assert repr(m.x) == "ShapedTensor(name='x', constraints={0: 2}, owner=Module)"
+
+
+# --- loading edge cases ---------------------------------------------------------------------------------------------
+
+
+def test_loading_into_non_persistent_data_leaves_the_data_alone() -> None:
+    m = owner_with(torch.ones(2, 3), {1: 3}, persist_data=False)
+    result = m.load_state_dict({"_x_data": torch.full((5, 3), 7.0)}, strict=False)
+    assert result.unexpected_keys == ["_x_data"]
+    assert torch.equal(m.x.value, torch.ones(2, 3))  # type: ignore[arg-type]
+
+
+def test_a_load_whose_copy_fails_leaves_the_data_as_it_was() -> None:
+    m = owner_with(torch.ones(2, 3), {1: 3})
+    before = snapshot(m)
+    with pytest.raises(RuntimeError, match="cannot load the saved data"):
+        m.load_state_dict({"_x_data": torch.ones(4, 3, device="meta")})
+    assert same(snapshot(m), before)
+
+
+def test_invalid_saved_constraints_keep_the_data_too() -> None:
+    m = owner_with(torch.ones(2, 3), {1: 3}, persist_constraints=True)
+    before = snapshot(m)
+    with pytest.raises(RuntimeError, match="invalid constraints for x"):
+        m.load_state_dict({"_x_data": torch.full((2, 3), 9.0), "_x_constraints": torch.tensor([[1, -3]])})
+    assert same(snapshot(m), before)
+
+
+def test_loaded_constraints_are_checked_against_data_that_stays() -> None:
+    m = owner_with(torch.ones(2, 3), {0: 2}, persist_data=False, persist_constraints=True)
+    with pytest.raises(RuntimeError, match=r"shape \(2, 3\) violates the constraints \{dim 0: 4\}"):
+        m.load_state_dict({"_x_constraints": torch.tensor([[0, 4]])})
+    assert m.x.constraints == {0: 2}
+    assert m.x.valid
+
+
+@pytest.mark.parametrize(
+    "placeholder", [None, nn.parameter.UninitializedBuffer()], ids=["none", "uninitialized-buffer"]
+)
+def test_data_loads_into_a_placeholder(placeholder: torch.Tensor | None) -> None:
+    m = owner_with(placeholder, {1: 3})
+    m.load_state_dict({"_x_data": torch.full((4, 3), 5.0)})
+    assert torch.equal(m.x.value, torch.full((4, 3), 5.0))  # type: ignore[arg-type]
+    assert "_x_data" in m._buffers
+
+
+def test_data_loads_into_an_uninitialized_parameter_as_a_parameter() -> None:
+    m = owner_with(nn.parameter.UninitializedParameter(), {1: 3})
+    m.load_state_dict({"_x_data": torch.full((4, 3), 5.0)})
+    assert isinstance(m._parameters["_x_data"], nn.Parameter)
+    assert torch.equal(m.x.value.detach(), torch.full((4, 3), 5.0))  # type: ignore[union-attr]
+
+
+def test_a_plain_tensor_assigned_to_an_emptied_parameter_slot_becomes_a_parameter() -> None:
+    m = owner_with(nn.Parameter(torch.zeros(2, 3)), {1: 3})
+    m.x.value = None
+    assert m._parameters["_x_data"] is None
+    m.x.value = torch.ones(2, 3)
+    assert isinstance(m._parameters["_x_data"], nn.Parameter)
+
+
+# --- replacement, detachment and gradients --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (torch.zeros(2, 3), nn.Parameter(torch.ones(2, 3))),
+        (nn.Parameter(torch.zeros(2, 3)), torch.ones(2, 3)),
+        (nn.Parameter(torch.zeros(2, 3)), None),
+    ],
+    ids=["buffer-to-parameter", "parameter-to-buffer", "parameter-to-none"],
+)
+def test_recreating_with_another_kind_of_storage_replaces_it(first: torch.Tensor, second: torch.Tensor | None) -> None:
+    m = owner_with(first, {1: 3})
+    ShapedTensor(m, "x", second, {1: 3})
+    gc.collect()
+    assert m.x.value is second
+    assert (second is None) or (isinstance(second, nn.Parameter) == ("_x_data" in m._parameters))
+
+
+def test_reconstraining_a_parameter_drops_its_stale_gradient() -> None:
+    p = nn.Parameter(torch.ones(2, 3))
+    m = owner_with(p, {0: 2})
+    p.sum().backward()
+    m.x.reconstrain(0, 4)
+    assert p.grad is None
+    (p * 2).sum().backward()
+    assert p.grad is not None
+    assert p.grad.shape == (4, 3)
+
+
+def test_a_replaced_attribute_is_detached() -> None:
+    m = owner_with(torch.zeros(3, 2), {0: 3})
+    old = m.x
+    ShapedTensor(m, "x", torch.zeros(5, 2), {0: 5})
+    with pytest.raises(ReferenceError, match="'x' is detached"):
+        old.reconstrain(0, 2)
+    with pytest.raises(ReferenceError, match="'x' is detached"):
+        old.value
+    assert m.x.value.shape == (5, 2)  # type: ignore[union-attr]
+
+
+def test_an_attribute_deleted_but_still_referenced_is_detached_and_can_be_recreated() -> None:
+    m = owner_with(torch.zeros(2), {0: 2})
+    old = m.x
+    del m.x
+    with pytest.raises(ReferenceError, match="'x' is detached"):
+        old.reconstrain(0, 3)
+    new_data = torch.ones(4)
+    ShapedTensor(m, "x", new_data, {0: 4})
+    assert list(m.state_dict()) == ["_x_data"]
+    del old
+    gc.collect()
+    assert m.x.value is new_data
+    assert len(m._state_dict_hooks) == 1
+
+
+def test_a_held_shaped_tensor_replaced_by_a_virtual_tensor_and_back() -> None:
+    from modattrs import VirtualTensor
+
+    m = owner_with(torch.zeros(2), {0: 2})
+    held = m.x
+    VirtualTensor(m, "x", lambda o, dtype, device: torch.ones(1, dtype=dtype, device=device))
+    ShapedTensor(m, "x", torch.ones(3), {0: 3})
+    del held
+    gc.collect()
+    assert set(m._buffers) == {"_x_data"}
+    assert torch.equal(m.x.value, torch.ones(3))  # type: ignore[arg-type]

@@ -511,3 +511,44 @@ def test_string_materializer_holds_no_reference_to_the_owner() -> None:
 def test_repr_names_the_attribute_and_materializer() -> None:
     m = Positions()
     assert repr(m.pos) == "VirtualTensor(name='pos', materializer='make_pos', owner=Positions)"
+
+
+def test_to_accepts_copy_and_non_blocking() -> None:
+    m = Positions()
+    m.pos.to(torch.float64, copy=True, non_blocking=True)
+    assert m.pos.dtype == torch.float64
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_moving_to_an_unavailable_device_raises_value_error_and_changes_nothing() -> None:
+    m = Positions()
+    ref = m._buffers["_pos_ref"]
+    with pytest.raises(ValueError, match="'pos': cannot use device cuda"):
+        m.pos.to("cuda")
+    with pytest.raises(ValueError, match="'pos': cannot use device cuda"):
+        m.pos.device = "cuda"
+    assert m._buffers["_pos_ref"] is ref
+
+
+def test_a_replaced_virtual_tensor_is_detached() -> None:
+    m = nn.Module()
+    old = VirtualTensor(m, "v", doubled)
+    VirtualTensor(m, "v", doubled, dtype=torch.float64)
+    with pytest.raises(ReferenceError, match="'v' is detached"):
+        old.to(torch.float16)
+    with pytest.raises(ReferenceError, match="'v' is detached"):
+        old.value
+    assert m.v.dtype == torch.float64
+
+
+def test_a_deleted_virtual_tensor_still_held_can_be_recreated() -> None:
+    m = nn.Module()
+    held = VirtualTensor(m, "v", doubled)
+    del m.v
+    with pytest.raises(ReferenceError, match="'v' is detached"):
+        held.persist = True
+    VirtualTensor(m, "v", doubled, dtype=torch.float16)
+    del held
+    gc.collect()
+    assert m._buffers["_v_ref"].dtype == torch.float16
+    assert len(m._state_dict_hooks) == 1
