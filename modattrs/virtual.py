@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode, maybe_get_fake_mode
 
 from modattrs._attribute import OwnedAttribute, bind, check_names, check_owner, take_over
 
@@ -135,10 +136,16 @@ class VirtualTensor(OwnedAttribute):
         if owner is None:
             raise self._owner_gone()
         ref = owner._buffers.get(self._ref_name)
-        if ref is None:
-            raise self._reference_gone()
-        dtype = self._dtype or ref.dtype  # dtypes are truthy: this reads "the fixed dtype, if any"
-        device = ref.device
+        if type(ref) is not Tensor:
+            # Missing, or a subclass. A fake reference is materialized inside its own fake mode, or factories
+            # would make real tensors (on a spoofed device: fail); the read inside the mode takes the path below.
+            mode = self._fake_mode_to_enter(ref)
+            if mode is not None:
+                with mode:
+                    return self.value
+        # (ref is a tensor here: _fake_mode_to_enter raised for None.)
+        dtype = self._dtype or ref.dtype  # type: ignore[union-attr]  # dtypes are truthy: "the fixed dtype, if any"
+        device = ref.device  # type: ignore[union-attr]
         result = self._function(owner, dtype, device)
         # dtypes are singletons, so `is` is exact; comparing devices is dearer, so it comes second. The type check
         # is only needed when something is off: a non-tensor fails the attribute reads or the comparisons.
@@ -290,6 +297,16 @@ class VirtualTensor(OwnedAttribute):
 
     def __repr__(self) -> str:
         return f"VirtualTensor(name={self._name!r}, materializer={self._materializer_name()}, {self._where()})"
+
+    def _fake_mode_to_enter(self, ref: Tensor | None) -> FakeTensorMode | None:
+        if ref is None:
+            raise self._reference_gone()
+        if torch.compiler.is_compiling():
+            return None  # tracing runs its own fake mode; and dynamo cannot trace the mode lookup below
+        mode = maybe_get_fake_mode(ref)
+        if mode is None or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+            return None  # not fake, or a fake mode is in effect already (this one, or export's)
+        return mode
 
     def _reference(self) -> Tensor:
         ref = self._live_owner()._buffers.get(self._ref_name)

@@ -1,0 +1,77 @@
+"""A device guard for spoofed CUDA on builds of torch without CUDA.
+
+Some of torch's Python bindings (``copy_``, indexing, ``.contiguous()``, ...) and the autograd engine build a
+device guard for the device of their tensors, fake ones included. A CUDA build with no GPU has a guard that
+pretends (torch's ``FakeGuardImpl``); a CPU-only build has none, and those calls fail, or abort the process when
+autograd is involved. The cure is to register torch's own ``FakeGuardImpl<CUDA>``, which takes a few lines of
+C++: they are compiled at the first use of fake CUDA and cached by torch's extension loader under a name that
+includes the torch version.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import torch
+
+__all__: list[str] = []
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/FakeGuardImpl.h>
+
+// Registers torch's fake CUDA device guard, unless CUDA has a guard already; says whether it registered one.
+bool register_fake_cuda_guard() {
+  auto& slot = c10::impl::device_guard_impl_registry[static_cast<size_t>(c10::DeviceType::CUDA)];
+  if (slot.load() != nullptr) {
+    return false;
+  }
+  static c10::impl::FakeGuardImpl<c10::DeviceType::CUDA> guard;
+  slot.store(&guard);
+  return true;
+}
+"""
+
+_lock = threading.Lock()
+_failure: str | None = None
+_ready = False
+
+
+def cuda_built() -> bool:
+    """Whether this build of torch has CUDA (or ROCm), with or without a GPU."""
+    return bool(torch.backends.cuda.is_built())  # type: ignore[no-untyped-call]
+
+
+def require() -> None:
+    """Make sure fake CUDA tensors can be used in this process; raise a RuntimeError saying why not."""
+    global _ready, _failure
+    if _ready or cuda_built():
+        return  # a CUDA build registers torch's fake guard itself when it finds no GPU
+    with _lock:
+        if _ready:
+            return
+        if _failure is None:
+            try:
+                _build_and_register()
+                _ready = True
+                return
+            except Exception as error:  # the compiler's and the loader's errors vary; all mean "not available"
+                _failure = f"{type(error).__name__}: {error}"
+        raise RuntimeError(
+            "fake CUDA needs a device guard that this CPU-only build of torch lacks; modattrs compiles one at first "
+            f"use, and that failed ({_failure}). Install a C++ compiler (g++) to use fake_cuda=True; without one, "
+            "build the model on the meta device (with torch.device('meta')) to inspect it, or make a fake CPU "
+            "twin with modattrs.fake.fake_copy(model)."
+        )
+
+
+def _build_and_register() -> None:
+    from torch.utils.cpp_extension import load_inline
+
+    name = "modattrs_fake_cuda_guard_" + re.sub(r"\W", "_", torch.__version__)
+    extension = load_inline(  # type: ignore[no-untyped-call]
+        name=name, cpp_sources=[_SOURCE], functions=["register_fake_cuda_guard"], verbose=False
+    )
+    extension.register_fake_cuda_guard()
