@@ -10,7 +10,9 @@ includes the torch version.
 
 from __future__ import annotations
 
+import hashlib
 import re
+import sys
 import threading
 
 import torch
@@ -18,19 +20,27 @@ import torch
 __all__: list[str] = []
 
 _SOURCE = r"""
-#include <torch/extension.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <pybind11/pybind11.h>
 #include <c10/core/impl/FakeGuardImpl.h>
+#include <torch/csrc/utils/device_lazy_init.h>
 
-// Registers torch's fake CUDA device guard, unless CUDA has a guard already; says whether it registered one.
-bool register_fake_cuda_guard() {
+// Registers torch's fake CUDA device guard unless CUDA has a guard already, and says whether it did. The guard
+// lives until the process ends: the registry does not own it. Also marks CUDA as initialized for the Python
+// bindings, which would otherwise call torch.cuda._lazy_init() (and fail) before moving even a fake tensor to
+// CUDA outside a fake mode.
+static bool register_fake_cuda_guard() {
   auto& slot = c10::impl::device_guard_impl_registry[static_cast<size_t>(c10::DeviceType::CUDA)];
-  if (slot.load() != nullptr) {
+  static const c10::impl::DeviceGuardImplInterface* guard = new c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>();
+  const c10::impl::DeviceGuardImplInterface* expected = nullptr;
+  if (!slot.compare_exchange_strong(expected, guard)) {
     return false;
   }
-  static c10::impl::FakeGuardImpl<c10::DeviceType::CUDA> guard;
-  slot.store(&guard);
+  torch::utils::set_requires_device_init(c10::DeviceType::CUDA, false);
   return true;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("register_fake_cuda_guard", &register_fake_cuda_guard);
 }
 """
 
@@ -61,7 +71,8 @@ def require() -> None:
                 _failure = f"{type(error).__name__}: {error}"
         raise RuntimeError(
             "fake CUDA needs a device guard that this CPU-only build of torch lacks; modattrs compiles one at first "
-            f"use, and that failed ({_failure}). Install a C++ compiler (g++) to use fake_cuda=True; without one, "
+            f"use, and that failed ({_failure}). Install a C++ compiler (g++) and ninja (pip install ninja) to use "
+            "fake_cuda=True; without them, "
             "build the model on the meta device (with torch.device('meta')) to inspect it, or make a fake CPU "
             "twin with modattrs.fake.fake_copy(model)."
         )
@@ -70,8 +81,17 @@ def require() -> None:
 def _build_and_register() -> None:
     from torch.utils.cpp_extension import load_inline
 
-    name = "modattrs_fake_cuda_guard_" + re.sub(r"\W", "_", torch.__version__)
+    # One build per torch version, Python version and source; torch's loader caches it and reuses it after.
+    digest = hashlib.sha1(_SOURCE.encode()).hexdigest()[:8]
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    version = re.sub(r"\W", "_", torch.__version__)
+    name = f"modattrs_fake_cuda_guard_{version}_{python}_{digest}"
     extension = load_inline(  # type: ignore[no-untyped-call]
-        name=name, cpp_sources=[_SOURCE], functions=["register_fake_cuda_guard"], verbose=False
+        name=name,
+        cpp_sources=[_SOURCE],
+        no_implicit_headers=True,  # without <torch/extension.h>, the build takes seconds rather than half a minute
+        extra_cflags=["-O1"],
+        with_cuda=False,
+        verbose=False,
     )
     extension.register_fake_cuda_guard()

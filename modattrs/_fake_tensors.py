@@ -59,10 +59,15 @@ class _Converter(FakeTensorConverter):
 
 
 class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
-    """``FakeTensorMode(allow_non_fake_inputs=True)`` with the changes listed in this module's docstring."""
+    """``FakeTensorMode(allow_non_fake_inputs=True)`` with the changes listed in this module's docstring.
 
-    def __init__(self) -> None:
+    Unless ``fake_cuda`` is set, CUDA devices are refused on builds of torch without CUDA: without the device
+    guard that ``fake_cuda`` sets up, some operations on such tensors fail and autograd aborts the process.
+    """
+
+    def __init__(self, *, fake_cuda: bool = False) -> None:
         super().__init__(allow_non_fake_inputs=True)
+        self.refuse_cuda = not fake_cuda and not cuda_built()
         converter = self.fake_tensor_converter
         self.fake_tensor_converter = _Converter(copy_data=converter.meta_converter.copy_data, export=converter.export)
 
@@ -79,6 +84,11 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         if func in _VALUE_ONLY_IN_PLACE:
             return args[0]
         kwargs = kwargs or {}
+        if self.refuse_cuda and _on_cuda(kwargs.get("device")):
+            raise RuntimeError(
+                f"{func}: fake tensors on CUDA need modattrs.fake.fake_mode(fake_cuda=True) on this build of torch, "
+                "which has no CUDA"
+            )
         if func is aten.detach.default and _plain_fake(args[0], self):
             device = args[0].device
             with in_kernel_invocation_manager(self):  # the fake tensor is seen as the meta tensor it is
@@ -91,6 +101,10 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
 
     def _from_meta(self, meta: torch.Tensor, device: torch.device) -> FakeTensor:
         return FakeTensor(self, meta, device)
+
+
+def _on_cuda(device: object) -> bool:
+    return device is not None and torch.device(device).type == "cuda"  # type: ignore[call-overload]
 
 
 def _plain_fake(tensor: object, mode: FakeTensorMode) -> bool:

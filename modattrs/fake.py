@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Iterator
 from typing import TypeVar
 
@@ -51,13 +52,16 @@ def fake_mode(*, fake_cuda: bool = False) -> Iterator[FakeTensorMode]:
         RuntimeError: ``fake_cuda`` was asked for on a CPU-only build where the device guard cannot be built
             (no C++ compiler); the message names the alternatives.
     """
-    mode = ModattrsFakeTensorMode()
+    mode = ModattrsFakeTensorMode(fake_cuda=fake_cuda)
     with contextlib.ExitStack() as stack:
         if fake_cuda and not _cuda_guard.cuda_built():
             _cuda_guard.require()
             stack.enter_context(SimulatedBackward())
         stack.enter_context(mode)
         stack.enter_context(skip_data_dependent_init())
+        # torch.Tensor.__deepcopy__ reads data_ptr(), which warns for fake tensors: deep copies are expected here.
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor", UserWarning)
         yield mode
 
 
@@ -94,7 +98,7 @@ def fake_copy(module: ModuleT, device: torch.device | str | int | None = None) -
     target = None if device is None else torch.device(device)
     if target is not None and target.type == "cuda" and not torch.cuda.is_available():
         _cuda_guard.require()
-    mode = _active_mode() or ModattrsFakeTensorMode()
+    mode = _active_mode() or ModattrsFakeTensorMode(fake_cuda=target is not None and target.type == "cuda")
     memo: dict[int, object] = {}  # deepcopy's memo: each tensor, reached under any name, becomes one fake
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         if id(tensor) not in memo:

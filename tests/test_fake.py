@@ -1,0 +1,424 @@
+"""modattrs.fake: fake tensors on any device, modules built and moved fake, and modattrs attributes on them."""
+
+from __future__ import annotations
+
+import copy
+import io
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from modattrs import ShapedTensor, VirtualTensor
+from modattrs.fake import fake_copy, fake_mode, is_fake, meta_like
+
+DEVICES = ["cpu", "cuda", "cuda:1"]
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    """Run code in a new process: a crash there fails the test instead of killing the suite."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+class Rotary(nn.Module):
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.dim = dim
+        self.proj = nn.Linear(dim, dim)
+        VirtualTensor(self, "inv_freq", "compute_inv_freq")
+        ShapedTensor(self, "cache", torch.zeros(2, dim), {1: dim})
+
+    def compute_inv_freq(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return 1.0 / 10_000 ** (torch.arange(0, self.dim, 2, dtype=dtype, device=device) / self.dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(x)[..., : self.dim // 2] * self.inv_freq.value
+
+
+# --- the mode -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tensors_created_inside_are_fake_on_the_device_asked_for(device: str) -> None:
+    with fake_mode(fake_cuda=True):
+        by_argument = torch.ones(3, device=device)
+        with torch.device(device):
+            by_context = torch.randn(2, 2)
+            layer = nn.Linear(4, 4)
+    expected = torch.device("cuda:0") if device == "cuda" else torch.device(device)
+    for tensor in (by_argument, by_context, layer.weight):
+        assert is_fake(tensor)
+        assert tensor.device == expected
+
+
+def test_fake_mode_yields_the_fake_tensor_mode_in_effect() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with fake_mode() as mode:
+        tensor = torch.zeros(2)
+    assert isinstance(mode, FakeTensorMode)
+    assert tensor.fake_mode is mode  # type: ignore[attr-defined]
+
+
+def test_tensors_created_inside_print_as_fake() -> None:
+    with fake_mode():
+        layer = nn.Linear(2, 2)
+    assert "FakeTensor" in repr(layer.weight)
+
+
+def test_without_fake_cuda_cuda_is_refused_on_a_cpu_only_build() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with fake_mode(), pytest.raises(RuntimeError, match=r"need modattrs\.fake\.fake_mode\(fake_cuda=True\)"):
+        nn.Linear(2, 2, device="cuda")
+
+
+INITIALIZERS = {
+    "uniform_": nn.init.uniform_,
+    "normal_": nn.init.normal_,
+    "trunc_normal_": nn.init.trunc_normal_,
+    "constant_": lambda t: nn.init.constant_(t, 0.5),
+    "ones_": nn.init.ones_,
+    "zeros_": nn.init.zeros_,
+    "eye_": nn.init.eye_,
+    "xavier_uniform_": nn.init.xavier_uniform_,
+    "xavier_normal_": nn.init.xavier_normal_,
+    "kaiming_uniform_": nn.init.kaiming_uniform_,
+    "kaiming_normal_": nn.init.kaiming_normal_,
+    "orthogonal_": nn.init.orthogonal_,
+    "sparse_": lambda t: nn.init.sparse_(t, 0.5),
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("name", sorted(INITIALIZERS))
+def test_every_init_function_works_on_fake_tensors(name: str, device: str) -> None:
+    with fake_mode(fake_cuda=True):
+        weight = torch.empty(4, 6, device=device)
+        INITIALIZERS[name](weight)
+        kernel = torch.empty(4, 6, 3, device=device)
+        nn.init.dirac_(kernel)
+    assert is_fake(weight)
+    assert weight.shape == (4, 6)
+
+
+def test_trunc_normal_is_torchs_own_again_after_the_block() -> None:
+    original = nn.init._no_grad_trunc_normal_
+    with fake_mode(), fake_mode():
+        assert nn.init._no_grad_trunc_normal_ is not original
+    assert nn.init._no_grad_trunc_normal_ is original
+    torch.manual_seed(0)
+    values = nn.init.trunc_normal_(torch.zeros(1000), a=-1.0, b=1.0)
+    assert bool((values.abs() <= 1.0).all())
+
+
+def test_layers_that_deep_copy_submodules_end_in_one_fake_mode() -> None:
+    with fake_mode(fake_cuda=True) as mode, torch.device("cuda"):
+        model = nn.Transformer(
+            d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=32, batch_first=True
+        )
+    assert {id(p.fake_mode) for p in model.parameters()} == {id(mode)}  # type: ignore[attr-defined]
+    with fake_mode():
+        copied = copy.deepcopy(nn.Linear(2, 2))
+        out = copied(torch.ones(1, 2))
+    assert is_fake(out)
+
+
+# --- is_fake and meta_like ----------------------------------------------------------------------------------------
+
+
+def test_is_fake_is_true_only_for_fake_tensors() -> None:
+    with fake_mode():
+        fake = torch.ones(2)
+    assert is_fake(fake)
+    assert not is_fake(torch.ones(2))
+    assert not is_fake(torch.ones(2, device="meta"))
+
+
+def test_meta_like_gives_a_meta_tensor_with_the_same_shape_dtype_and_strides() -> None:
+    with fake_mode(fake_cuda=True):
+        fake = torch.empty(3, 4, dtype=torch.float16, device="cuda").t()
+    meta = meta_like(fake)
+    assert meta.device == torch.device("meta")
+    assert (meta.shape, meta.dtype, meta.stride()) == (fake.shape, fake.dtype, fake.stride())
+
+
+@pytest.mark.parametrize("tensor", [torch.ones(2), torch.ones(2, device="meta")], ids=["real", "meta"])
+def test_meta_like_raises_error_if_tensor_is_not_fake(tensor: Tensor) -> None:
+    with pytest.raises(ValueError, match="meta_like expects a fake tensor"):
+        meta_like(tensor)
+
+
+# --- fake_copy ----------------------------------------------------------------------------------------------------
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.rotary = Rotary(4)
+
+
+def test_fake_copy_is_a_fake_twin_that_copies_no_data() -> None:
+    model = Tied()
+    twin = fake_copy(model)
+    for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
+        assert is_fake(q), name
+        assert isinstance(q, nn.Parameter), name
+        assert (q.shape, q.dtype, q.device, q.requires_grad) == (p.shape, p.dtype, p.device, p.requires_grad), name
+    assert twin.head.weight is twin.embed.weight
+    assert all(not is_fake(p) for p in model.parameters())
+
+
+def test_fake_copy_keeps_modattrs_attributes_working_on_the_twin() -> None:
+    model = Tied()
+    twin = fake_copy(model, device="cuda:1") if torch.cuda.is_available() else fake_copy(model, device="cpu")
+    assert twin.rotary.inv_freq.owner is twin.rotary
+    assert is_fake(twin.rotary.inv_freq.value)
+    assert is_fake(twin.rotary.cache.value)  # type: ignore[arg-type]
+
+
+def test_fake_copy_on_a_spoofed_device() -> None:
+    twin = fake_copy(Tied(), device="cuda")
+    assert {p.device for p in twin.parameters()} == {torch.device("cuda:0")}
+    assert twin.rotary.inv_freq.value.device == torch.device("cuda:0")
+
+
+def test_fake_copy_of_a_meta_model_needs_a_device() -> None:
+    with torch.device("meta"):
+        model = Tied()
+    with pytest.raises(ValueError, match="on the meta device; pass device="):
+        fake_copy(model)
+    twin = fake_copy(model, device="cuda:1")
+    assert {p.device for p in twin.parameters()} == {torch.device("cuda:1")}
+    assert twin.rotary.inv_freq.value.device == torch.device("cuda:1")
+
+
+def test_fake_copy_inside_fake_mode_uses_that_mode() -> None:
+    with fake_mode() as mode:
+        twin = fake_copy(nn.Linear(2, 2))
+    assert twin.weight.fake_mode is mode  # type: ignore[attr-defined]
+
+
+# --- moving fake modules -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["inside", "outside"])
+def test_fake_modules_with_parameters_move(inside: bool) -> None:
+    with fake_mode(fake_cuda=True) as mode:
+        model = Rotary()
+    with mode if inside else torch.device("cpu"):
+        model.to(torch.bfloat16)
+        assert model.proj.weight.dtype == torch.bfloat16
+        model.to("cuda:1")
+        assert model.proj.weight.device == torch.device("cuda:1")
+        model.half()
+    assert isinstance(model.proj.weight, nn.Parameter)
+    assert is_fake(model.proj.weight)
+    assert model.proj.weight.dtype == torch.float16
+    assert model.inv_freq.value.dtype == torch.float16
+    assert model.inv_freq.value.device == torch.device("cuda:1")
+
+
+# --- modattrs attributes ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_virtual_values_stay_fake_on_the_reference_device_inside_and_after_the_mode(device: str) -> None:
+    with fake_mode(fake_cuda=True):
+        with torch.device(device):
+            model = Rotary()
+        inside = model.inv_freq.value
+    after = model.inv_freq.value
+    for value in (inside, after):
+        assert is_fake(value)  # on fake cpu too, where a bare factory call would be real
+        assert value.device == model.proj.weight.device
+        assert value.shape == (4,)
+
+
+def test_shaped_tensors_reconstrain_fake_data_without_allocating() -> None:
+    with fake_mode(fake_cuda=True), torch.device("cuda"):
+        model = Rotary()
+        model.cache.reconstrain(0, 1 << 20)  # 32 GiB of float32 if it were real
+    model.cache.reconstrain(0, 1 << 21)  # and after the mode
+    assert is_fake(model.cache.value)  # type: ignore[arg-type]
+    assert model.cache.value.shape == (1 << 21, 8)  # type: ignore[union-attr]
+
+
+def test_a_fake_module_forward_and_strict_export_read_virtual_values() -> None:
+    with fake_mode() as mode:
+        model = Rotary()
+        x = torch.randn(2, 8)
+    program = torch.export.export(model, (x,), strict=True)
+    assert "aten.arange.start_step" in {str(n.target) for n in program.graph.nodes}
+    with mode:
+        assert is_fake(model(x))
+
+
+def test_compiled_forward_of_a_real_module_is_unaffected_by_fake_mode_support() -> None:
+    torch._dynamo.reset()
+    model = Rotary()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(compiled(x), model(x))
+
+
+# --- meta device ----------------------------------------------------------------------------------------------------
+
+
+def test_a_saved_module_loads_on_the_meta_device_and_becomes_fake_on_a_spoofed_device() -> None:
+    buffer = io.BytesIO()
+    torch.save(Rotary(), buffer)
+    buffer.seek(0)
+    meta = torch.load(buffer, map_location="meta", weights_only=False)
+    assert meta.proj.weight.is_meta
+    assert meta.inv_freq.value.is_meta
+    assert meta.cache.value.is_meta
+    twin = fake_copy(meta, device="cuda")
+    assert twin.inv_freq.value.device == torch.device("cuda:0")
+    assert is_fake(twin.cache.value)
+
+
+# --- spoofed cuda: forward and backward ----------------------------------------------------------------------------
+
+
+def test_forward_and_backward_on_spoofed_cuda_give_fake_gradients() -> None:
+    result = run_python(
+        """
+        import torch
+        from torch import nn
+        from modattrs.fake import fake_mode, is_fake
+
+        with fake_mode(fake_cuda=True), torch.device("cuda"):
+            embed, linear, norm = nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8)
+            attention = nn.MultiheadAttention(8, 2, batch_first=True)
+            tokens = torch.randint(0, 10, (2, 5))
+            hidden = norm(linear(embed(tokens)))
+            attended, _ = attention(hidden, hidden, hidden)
+            loss = attended[:, -1].sum() + hidden[0, 1:3].mean()
+            loss.backward()
+            grads = torch.autograd.grad(linear(hidden).sum(), [linear.weight])
+        modules = (embed, linear, norm, attention)
+        for module in modules:
+            for name, p in module.named_parameters():
+                assert is_fake(p.grad), name
+                assert (p.grad.shape, p.grad.device, p.grad.dtype) == (p.shape, p.device, p.dtype), name
+        assert is_fake(grads[0]) and grads[0].shape == linear.weight.shape
+        print("ok")
+        """
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok"
+
+
+def test_backward_checks_what_torch_checks() -> None:
+    result = run_python(
+        """
+        import torch
+        from modattrs.fake import fake_mode
+
+        with fake_mode(fake_cuda=True), torch.device("cuda"):
+            weight = torch.nn.Parameter(torch.ones(3))
+            for action in (lambda: (weight * 2).backward(), lambda: torch.ones(3).sum().backward()):
+                try:
+                    action()
+                except RuntimeError as error:
+                    print(str(error).split(" and ")[0])
+        """
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "grad can be implicitly created only for scalar outputs",
+        "element 0 of tensors does not require grad",
+    ]
+
+
+def test_without_a_compiler_fake_cuda_says_what_to_do_instead(monkeypatch: pytest.MonkeyPatch) -> None:
+    from modattrs import _cuda_guard
+
+    def no_compiler() -> None:
+        raise FileNotFoundError("[Errno 2] No such file or directory: 'c++'")
+
+    monkeypatch.setattr(_cuda_guard, "_ready", False)
+    monkeypatch.setattr(_cuda_guard, "_failure", None)
+    monkeypatch.setattr(_cuda_guard, "cuda_built", lambda: False)
+    monkeypatch.setattr(_cuda_guard, "_build_and_register", no_compiler)
+    with (
+        pytest.raises(RuntimeError, match=r"No such file or directory: 'c\+\+'.*meta device.*fake_copy"),
+        fake_mode(fake_cuda=True),
+    ):
+        pass
+    with pytest.raises(RuntimeError, match="Install a C"):  # the failure is remembered, not retried
+        fake_copy(nn.Linear(2, 2), device="cuda")
+
+
+def test_a_process_that_never_uses_fake_cuda_has_no_fake_guard() -> None:
+    result = run_python(
+        """
+        import torch, modattrs, modattrs.fake
+        try:
+            torch.empty(1, device="cuda")
+        except (RuntimeError, AssertionError) as error:
+            print(type(error).__name__)
+        """
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() in {"AssertionError", "RuntimeError"}
+
+
+# --- models too big for this machine --------------------------------------------------------------------------------
+
+MEMORY_CHECK = """
+    import resource, time, torch, transformers
+    from transformers import {config}, {model}
+    from modattrs.fake import fake_mode, is_fake
+
+    config = {config}({arguments})
+    def peak_mb():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    with fake_mode(fake_cuda=True), torch.device("cuda"):
+        torch.ones(1)  # warm the fake machinery up
+    before = peak_mb()
+    with fake_mode(fake_cuda=True), torch.device("cuda"):
+        model = {model}(config)
+    grown = peak_mb() - before
+    parameters = sum(p.numel() for p in model.parameters())
+    assert all(is_fake(p) and p.device == torch.device("cuda:0") for p in model.parameters())
+    print(parameters, round(grown, 1))
+"""
+
+
+@pytest.mark.parametrize(
+    ("config", "model", "arguments", "expected"),
+    [
+        (
+            "LlamaConfig",
+            "LlamaForCausalLM",
+            "hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, "
+            "num_key_value_heads=32, vocab_size=32000",
+            6_738_415_616,
+        ),
+        ("BlenderbotConfig", "BlenderbotModel", "", None),
+    ],
+    ids=["llama-2-7b", "blenderbot"],
+)
+def test_models_too_big_for_this_machine_build_fake_on_spoofed_cuda(
+    config: str, model: str, arguments: str, expected: int | None
+) -> None:
+    pytest.importorskip("transformers")
+    result = run_python(MEMORY_CHECK.format(config=config, model=model, arguments=arguments))
+    assert result.returncode == 0, result.stderr[-3000:]
+    parameters, grown = result.stdout.split()
+    if expected is not None:
+        assert int(parameters) == expected
+    assert float(grown) <= 50.0
