@@ -160,18 +160,18 @@ class SimulatedBackward(TorchFunctionMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if func not in _BACKWARDS:  # everything else, first: this runs for every torch call in the block
+            return func(*args, **kwargs)
         if func is torch.Tensor.backward:
             outputs, inputs = [args[0]], kwargs.get("inputs")
             gradients = [kwargs.get("gradient", args[1] if len(args) > 1 else None)]
         elif func is torch.autograd.backward:
             outputs, inputs = _as_list(args[0] if args else kwargs["tensors"]), kwargs.get("inputs")
             gradients = _as_list(kwargs.get("grad_tensors")) or [None] * len(outputs)
-        elif func is torch.autograd.grad:
+        else:
             outputs = _as_list(args[0] if args else kwargs["outputs"])
             inputs = args[1] if len(args) > 1 else kwargs["inputs"]
             gradients = _as_list(kwargs.get("grad_outputs")) or [None] * len(outputs)
-        else:
-            return func(*args, **kwargs)
         if not any(_spoofed_cuda(t) for t in outputs):
             return func(*args, **kwargs)
         leaves = _reachable_leaves(outputs, gradients)
@@ -192,6 +192,9 @@ class SimulatedBackward(TorchFunctionMode):
             else:
                 grads.append(torch.empty_like(tensor))
         return tuple(grads)
+
+
+_BACKWARDS = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
 
 
 def _as_list(tensors: Any) -> list[Any]:

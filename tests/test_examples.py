@@ -13,6 +13,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 EXPECTED = {
     "quickstart.py": "VirtualTensor correct after meta init + to_empty: True",
     "kv_cache.py": "after shrinking the batch to 1: (1, 4, 4, 8)",
+    "fake_export.py": "fc1 on cpu, fc2 on cuda: devices ['cpu', 'cuda:0']; transfers ['aten.to.dtype_layout: cpu ->",
+    "inspect_llama.py": "Llama-2-7B: 6,738,415,616 parameters",
 }
 
 

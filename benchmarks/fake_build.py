@@ -1,0 +1,72 @@
+"""Building a Llama-2-7B model in fake mode on spoofed CUDA, against building it on the meta device.
+
+Run with ``python benchmarks/fake_build.py`` (needs ``transformers``). Prints the peak memory the fake build adds
+to the process (after importing torch and transformers and a first, small use of fake mode), and the build time
+after warm-up as a ratio against the meta-device build, the floor, measured in the same process.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from modattrs.fake import fake_mode
+
+CONFIG = LlamaConfig(
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=32000,
+)
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def build_meta() -> None:
+    with torch.device("meta"):
+        LlamaForCausalLM(CONFIG)
+
+
+def build_fake() -> None:
+    with fake_mode(fake_cuda=True), torch.device("cuda"):
+        LlamaForCausalLM(CONFIG)
+
+
+def median_seconds(build: object, repeat: int = 7) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        build()  # type: ignore[operator]
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    with fake_mode(fake_cuda=True), torch.device("cuda"):
+        torch.nn.Linear(8, 8)  # first use: compiles or loads the device guard, imports the fake machinery
+    before = peak_mib()
+    build_fake()
+    print(f"peak memory added by the first fake build: {peak_mib() - before:.1f} MiB (target: at most 50 MiB)")
+
+    build_meta()
+    meta = median_seconds(build_meta)
+    fake = median_seconds(build_fake)
+    ratio = fake / meta
+    verdict = "within target" if ratio <= 3 else "ABOVE target"
+    print(
+        f"build time, fake on spoofed cuda vs meta: {fake * 1e3:.1f} ms vs {meta * 1e3:.1f} ms = {ratio:.2f}x "
+        f"(target: at most 3x) {verdict}"
+    )
+
+
+if __name__ == "__main__":
+    main()
