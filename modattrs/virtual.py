@@ -61,7 +61,7 @@ class VirtualTensor(OwnedAttribute):
     registered on the owner is removed.
     """
 
-    __slots__ = ("_dtype", "_function", "_method", "_ref_name")
+    __slots__ = ("_dtype", "_dtype_from", "_function", "_method", "_ref_name")
 
     LinkedAttributes = VirtualTensorAttributes
     _suffixes = ("ref",)
@@ -69,6 +69,7 @@ class VirtualTensor(OwnedAttribute):
     _method: str | None  # the method's name, for a string materializer
     _function: Materializer  # called as fn(owner, dtype, device); for a method, its underlying function
     _dtype: torch.dtype | None  # None: follow the reference's dtype; otherwise the fixed dtype
+    _dtype_from: str | None  # the path of an owner's tensor whose dtype the value takes, at each read
     _ref_name: str
 
     def __init__(
@@ -81,6 +82,7 @@ class VirtualTensor(OwnedAttribute):
         persist: bool = False,
         *,
         follow_dtype: bool | None = None,
+        dtype_from: str | None = None,
     ) -> None:
         owner = check_owner("VirtualTensor", owner)
         name = check_names(self, owner, name)
@@ -88,6 +90,8 @@ class VirtualTensor(OwnedAttribute):
         method, function = _check_materializer(owner, name, materializer)
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise TypeError(f"VirtualTensor {name!r}: dtype must be a torch.dtype or None, got {dtype!r}")
+        if dtype_from is not None:
+            _check_dtype_from(owner, name, dtype_from, dtype, follow_dtype)
         value_dtype = torch.get_default_dtype() if dtype is None else dtype
         follows = value_dtype.is_floating_point if follow_dtype is None else bool(follow_dtype)
         if follows and not _can_follow(value_dtype):
@@ -101,6 +105,7 @@ class VirtualTensor(OwnedAttribute):
         self._method = method
         self._function = function
         self._dtype = None if follows else value_dtype
+        self._dtype_from = dtype_from
         self._ref_name = ref_name
         take_over(owner, name)
         owner.register_buffer(ref_name, ref, persistent=bool(persist))
@@ -117,9 +122,10 @@ class VirtualTensor(OwnedAttribute):
         persist: bool = False,
         *,
         follow_dtype: bool | None = None,
+        dtype_from: str | None = None,
     ) -> VirtualTensor:
         """Create a :class:`VirtualTensor` on ``owner`` and return it; the same as calling the class."""
-        return cls(owner, name, materializer, dtype, device, persist, follow_dtype=follow_dtype)
+        return cls(owner, name, materializer, dtype, device, persist, follow_dtype=follow_dtype, dtype_from=dtype_from)
 
     @property
     def attributes(self) -> VirtualTensorAttributes:
@@ -145,6 +151,8 @@ class VirtualTensor(OwnedAttribute):
                     return self.value
         # (ref is a tensor here: _fake_mode_to_enter raised for None.)
         dtype = self._dtype or ref.dtype  # type: ignore[union-attr]  # dtypes are truthy: "the fixed dtype, if any"
+        if self._dtype_from is not None:
+            dtype = _tensor_at(owner, self._dtype_from).dtype
         device = ref.device  # type: ignore[union-attr]
         result = self._function(owner, dtype, device)
         # dtypes are singletons, so `is` is exact; comparing devices is dearer, so it comes second. The type check
@@ -165,6 +173,8 @@ class VirtualTensor(OwnedAttribute):
     @property
     def dtype(self) -> torch.dtype:
         """Data type of the value. Setting it is ``self.to(dtype=...)``."""
+        if self._dtype_from is not None:
+            return _tensor_at(self._live_owner(), self._dtype_from).dtype
         if self._dtype is not None:
             return self._dtype
         return self._reference().dtype
@@ -191,12 +201,13 @@ class VirtualTensor(OwnedAttribute):
         Setting it to ``False`` fixes the current dtype; setting it to ``True`` makes the current dtype the
         starting point that conversions change (it must then be floating-point or complex).
         """
-        return self._dtype is None
+        return self._dtype is None and self._dtype_from is None
 
     @follow_dtype.setter
     def follow_dtype(self, follow: bool) -> None:
         owner = self._live_owner()
         ref = self._reference()
+        self._refuse_dtype_change()
         if follow and self._dtype is not None:
             if not _can_follow(self._dtype):
                 raise ValueError(
@@ -234,6 +245,8 @@ class VirtualTensor(OwnedAttribute):
             device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         except (TypeError, RuntimeError) as error:
             raise type(error)(f"VirtualTensor {self._name!r}: invalid arguments for to(): {error}") from None
+        if dtype is not None:
+            self._refuse_dtype_change()
         device = ref.device if device is None else device
         dtype = self.dtype if dtype is None else dtype
         if self._dtype is None and not _can_follow(dtype):
@@ -248,6 +261,18 @@ class VirtualTensor(OwnedAttribute):
         if self._dtype is not None:
             self._dtype = dtype
         return self
+
+    @property
+    def dtype_from(self) -> str | None:
+        """The owner's tensor whose dtype the value takes at each read, if the attribute was created so."""
+        return self._dtype_from
+
+    def _refuse_dtype_change(self) -> None:
+        if self._dtype_from is not None:
+            raise ValueError(
+                f"VirtualTensor {self._name!r} takes its dtype from {self._dtype_from!r}; change that tensor's "
+                "dtype, or create the attribute without dtype_from"
+            )
 
     def _fields(self) -> dict[str, Any]:
         fields = super()._fields()
@@ -357,6 +382,30 @@ def _check_materializer(owner: nn.Module, name: str, materializer: object) -> tu
             "itself: it would be called with the owner twice and would keep the owner alive"
         )
     return None, materializer
+
+
+def _check_dtype_from(
+    owner: nn.Module, name: str, path: object, dtype: torch.dtype | None, follow_dtype: bool | None
+) -> None:
+    if not isinstance(path, str):
+        raise TypeError(f"VirtualTensor {name!r}: dtype_from must be a str naming a tensor of the owner, got {path!r}")
+    if dtype is not None or follow_dtype is not None:
+        raise ValueError(
+            f"VirtualTensor {name!r}: dtype_from={path!r} decides the dtype; do not pass dtype or follow_dtype with it"
+        )
+    try:
+        _tensor_at(owner, path)
+    except (AttributeError, TypeError) as error:
+        raise type(error)(f"VirtualTensor {name!r}: dtype_from={path!r}: {error}") from None
+
+
+def _tensor_at(owner: nn.Module, path: str) -> Tensor:
+    target: object = owner
+    for part in path.split("."):
+        target = getattr(target, part)
+    if not isinstance(target, Tensor):
+        raise TypeError(f"{path!r} is a {type(target).__name__}, not a tensor")
+    return target
 
 
 def _check_device(name: str, device: object) -> torch.device:
