@@ -320,7 +320,9 @@ class ShapedTensor(OwnedAttribute):
 
     def _on_state_dict(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
         if self._persist_constraints:
-            state_dict[prefix + self._constraints_key] = _encode(self._constraints)
+            state_dict[prefix + self._constraints_key] = _encode(
+                self._constraints, stored_tensor(owner, self._data_name)
+            )
 
     def _on_load(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
         # Saved constraints are consumed in any case, so that switching persist_constraints never breaks a strict
@@ -429,17 +431,29 @@ def _check_constraints(name: str, constraints: object) -> Constraints:
     return {_check_int(name, "a constrained dim", d): _check_size(name, d, s) for d, s in constraints.items()}
 
 
-def _encode(constraints: Constraints) -> Tensor:
-    # A tensor, so that tensor-only formats (safetensors, weights_only loads) can hold it; on the CPU whatever
-    # default device is in effect, since it is metadata rather than model data.
-    return torch.tensor(sorted(constraints.items()), dtype=torch.int64, device="cpu").reshape(-1, 2)
+def _encode(constraints: Constraints, data: Tensor | None) -> Tensor:
+    """The constraints as an int64 tensor of shape (2, width): row 0 holds the sizes of dims 0, 1, ...; row 1 those
+    of dims -1, -2, ...; -1 where a dim is free. The width is the data's number of dims, or more if the constraints
+    need it, so that a fresh model of the same architecture has a tensor of the same shape: distributed checkpoints
+    load in place into the tensors of the destination's state dict, whatever constraints either side has.
+    A tensor rather than a dict, so that tensor-only formats (safetensors, weights_only loads) can hold it; on the
+    CPU, whatever default device is in effect, since it describes the data rather than being part of it."""
+    ndim = data.dim() if isinstance(data, Tensor) and not isinstance(data, _UNINITIALIZED) else 0
+    width = max([ndim, *(d + 1 if d >= 0 else -d for d in constraints)])
+    encoded = torch.full((2, width), -1, dtype=torch.int64, device="cpu")
+    for dim, size in constraints.items():
+        encoded[int(dim < 0), dim if dim >= 0 else -dim - 1] = size
+    return encoded
 
 
 def _decode(saved: object) -> dict[object, object]:
     if isinstance(saved, Tensor):
-        if saved.dim() != 2 or saved.shape[1] != 2 or saved.dtype != torch.int64:
-            raise ValueError(f"expected an int64 tensor of shape (n, 2), got {saved.dtype} {tuple(saved.shape)}")
-        return {int(d): int(s) for d, s in saved.tolist()}
+        if saved.dim() != 2 or saved.shape[0] != 2 or saved.dtype != torch.int64:
+            raise ValueError(f"expected an int64 tensor of shape (2, n), got {saved.dtype} {tuple(saved.shape)}")
+        forward, backward = saved.tolist()
+        decoded: dict[object, object] = {d: s for d, s in enumerate(forward) if s != -1}
+        decoded.update({-d - 1: s for d, s in enumerate(backward) if s != -1})
+        return decoded
     if isinstance(saved, Mapping):
         return dict(saved)
-    raise TypeError(f"expected an int64 tensor of shape (n, 2) or a mapping, got {type(saved).__name__}")
+    raise TypeError(f"expected an int64 tensor of shape (2, n) or a mapping, got {type(saved).__name__}")

@@ -403,7 +403,7 @@ def test_reconstrain_sequences_keep_data_or_change_nothing(
 def test_persisted_constraints_round_trip_on_a_plain_module() -> None:
     source = owner_with(torch.ones(2, 3), {1: 3}, persist_constraints=True)
     state = source.state_dict()
-    assert torch.equal(state["_x_constraints"], torch.tensor([[1, 3]]))
+    assert torch.equal(state["_x_constraints"], torch.tensor([[-1, 3], [-1, -1]]))  # sizes of dims 0, 1; -1, -2
     target = owner_with(torch.zeros(2, 5), {1: 5}, persist_constraints=True)
     target.load_state_dict(state)
     assert target.x.constraints == {1: 3}
@@ -629,14 +629,14 @@ def test_invalid_saved_constraints_keep_the_data_too() -> None:
     m = owner_with(torch.ones(2, 3), {1: 3}, persist_constraints=True)
     before = snapshot(m)
     with pytest.raises(RuntimeError, match="invalid constraints for x"):
-        m.load_state_dict({"_x_data": torch.full((2, 3), 9.0), "_x_constraints": torch.tensor([[1, -3]])})
+        m.load_state_dict({"_x_data": torch.full((2, 3), 9.0), "_x_constraints": torch.tensor([[-1, -3], [-1, -1]])})
     assert same(snapshot(m), before)
 
 
 def test_loaded_constraints_are_checked_against_data_that_stays() -> None:
     m = owner_with(torch.ones(2, 3), {0: 2}, persist_data=False, persist_constraints=True)
     with pytest.raises(RuntimeError, match=r"shape \(2, 3\) violates the constraints \{dim 0: 4\}"):
-        m.load_state_dict({"_x_constraints": torch.tensor([[0, 4]])})
+        m.load_state_dict({"_x_constraints": torch.tensor([[4, -1], [-1, -1]])})
     assert m.x.constraints == {0: 2}
     assert m.x.valid
 
@@ -734,3 +734,25 @@ def test_a_held_shaped_tensor_replaced_by_a_virtual_tensor_and_back() -> None:
     gc.collect()
     assert set(m._buffers) == {"_x_data"}
     assert torch.equal(m.x.value, torch.ones(3))  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ndim=st.integers(0, 4),
+    first=st.dictionaries(st.integers(-4, 3), st.integers(0, 9), max_size=4),
+    second=st.dictionaries(st.integers(-4, 3), st.integers(0, 9), max_size=4),
+)
+def test_saved_constraints_round_trip_in_a_tensor_whose_shape_depends_only_on_the_data(
+    ndim: int, first: dict[int, int], second: dict[int, int]
+) -> None:
+    data = torch.zeros((1,) * 4)[(0,) * (4 - ndim)] if ndim < 4 else torch.zeros(1, 1, 1, 1)
+    saved = []
+    for constraints in (first, second):
+        m = owner_with(None, constraints, strict=False, persist_constraints=True)
+        m._buffers["_x_data"] = data  # unchecked: only the saved form matters here
+        saved.append(m.state_dict()["_x_constraints"])
+        fresh = owner_with(None, {}, strict=False, persist_constraints=True)
+        fresh.load_state_dict({"_x_constraints": saved[-1]}, strict=False)
+        assert fresh.x.constraints == constraints
+    if all(-d <= ndim and d < ndim for d in {**first, **second}):
+        assert saved[0].shape == saved[1].shape == (2, ndim)
