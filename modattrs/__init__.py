@@ -1,8 +1,22 @@
 """Tensor attributes for ``nn.Module`` that are more than a plain buffer."""
 
+from typing import TYPE_CHECKING
+
 from modattrs._serialization import safe_globals
 from modattrs.shaped import ShapedTensor
 from modattrs.virtual import VirtualTensor, sync_references
 
-__all__ = ["ShapedTensor", "VirtualTensor", "safe_globals", "sync_references"]
+if TYPE_CHECKING:
+    from modattrs._checkpoint import ResizingLoadPlanner
+
+__all__ = ["ResizingLoadPlanner", "ShapedTensor", "VirtualTensor", "safe_globals", "sync_references"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # torch.distributed.checkpoint takes most of a second to import: only when this is asked for.
+    if name == "ResizingLoadPlanner":
+        from modattrs._checkpoint import ResizingLoadPlanner
+
+        return ResizingLoadPlanner
+    raise AttributeError(f"module 'modattrs' has no attribute {name!r}")

@@ -1,0 +1,224 @@
+"""Scenarios run by each rank of the distributed tests: `python distributed_workers.py SCENARIO OUTPUT_DIR`.
+
+Each rank writes what it saw to OUTPUT_DIR/rank{N}.pt; the test compares ranks and references. The environment
+gives RANK, WORLD_SIZE, MASTER_ADDR (127.0.0.1) and MASTER_PORT.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import modattrs
+import modattrs.fake  # imported to show that it changes nothing in processes that never use it
+from modattrs import ShapedTensor, VirtualTensor
+
+DIM, HEADS, LENGTH = 16, 2, 8
+
+
+def rope_table(module: nn.Module, dtype: torch.dtype, device: torch.device, kind: str) -> Tensor:
+    half = DIM // HEADS // 2
+    inv_freq = 1.0 / 10_000 ** (torch.arange(0, half, dtype=torch.float32, device=device) / half)
+    angles = torch.outer(torch.arange(LENGTH, dtype=torch.float32, device=device), inv_freq)
+    return (angles.cos() if kind == "cos" else angles.sin()).to(dtype)
+
+
+class Attention(nn.Module):
+    """Self-attention with rotary tables as VirtualTensors (fixed float32) and a scale in the compute dtype."""
+
+    def __init__(self, persist: bool = False) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        self.out = nn.Linear(DIM, DIM, bias=False)
+        VirtualTensor(self, "cos", "make_cos", dtype=torch.float32, follow_dtype=False, persist=persist)
+        VirtualTensor(self, "sin", "make_sin", dtype=torch.float32, follow_dtype=False, persist=persist)
+        VirtualTensor(self, "scale", "make_scale", dtype_from="qkv.weight")
+        ShapedTensor(self, "state", torch.zeros(1, DIM), {1: DIM}, persist_constraints=True)
+        self.seen_dtypes: dict[str, torch.dtype] = {}
+
+    def make_cos(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return rope_table(self, dtype, device, "cos")
+
+    def make_sin(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return rope_table(self, dtype, device, "sin")
+
+    def make_scale(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.full((DIM,), DIM**-0.5, dtype=dtype, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, length, _ = x.shape
+        q, k, v = (t.view(batch, length, HEADS, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        cos, sin, scale = self.cos.value[:length], self.sin.value[:length], self.scale.value
+        self.seen_dtypes = {"weight": self.qkv.weight.dtype, "cos": cos.dtype, "scale": scale.dtype}
+        q, k = rotate(q, cos, sin).to(v.dtype), rotate(k, cos, sin).to(v.dtype)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        state = self.state.value
+        assert state is not None
+        return self.out(attended.transpose(1, 2).reshape(batch, length, DIM) * scale) + state.sum(0).to(x.dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    first, second = x.float().chunk(2, -1)
+    return torch.cat([first * cos - second * sin, first * sin + second * cos], -1)
+
+
+class PlainRotary(nn.Module):
+    """The hand-rolled way: a non-persistent buffer computed in __init__."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cos", rope_table(self, torch.float32, torch.empty(0).device, "cos"), persistent=False)
+
+
+class Decoder(nn.Module):
+    def __init__(self, persist: bool = False, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, DIM)
+        self.blocks = nn.ModuleList(Attention(persist) for _ in range(layers))
+        self.plain = PlainRotary()
+        self.head = nn.Linear(DIM, 32, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        hidden = self.embed(tokens)
+        for block in self.blocks:
+            hidden = hidden + block(hidden)
+        return self.head(hidden)
+
+    def init_weights(self) -> None:
+        torch.manual_seed(0)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.reset_parameters()
+
+
+def train(model: nn.Module, steps: int = 3) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(steps):
+        tokens = torch.randint(0, 32, (2, LENGTH), generator=generator)
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def virtual_values(model: nn.Module) -> dict[str, Tensor]:
+    values = {}
+    for name, module in model.named_modules():
+        for attribute in list(module.__dict__.values()):
+            if isinstance(attribute, VirtualTensor):
+                values[f"{name}.{attribute.name}"] = attribute.value.detach().clone()
+    return values
+
+
+def full_parameters(model: nn.Module) -> dict[str, Tensor]:
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def sharded(model: Decoder, mesh: Any, policy: MixedPrecisionPolicy | None = None) -> Decoder:
+    kwargs = {} if policy is None else {"mp_policy": policy}
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def scenario_ddp(output: Path, broadcast_buffers: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = DistributedDataParallel(Decoder(), broadcast_buffers=broadcast_buffers)
+    train(model)
+    return {"parameters": full_parameters(model.module), "virtual": virtual_values(model.module)}
+
+
+def scenario_fsdp_meta_init(output: Path) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    with torch.device("meta"):
+        model = sharded(Decoder(), mesh)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    built_on_meta = virtual_values(model)
+    plain_after_to_empty = model.plain.cos.clone()
+    train(model)
+    reference = Decoder()  # the same model built directly on the CPU
+    return {
+        "virtual": built_on_meta,
+        "virtual_after_training": virtual_values(model),
+        "reference_virtual": virtual_values(reference),
+        "plain": plain_after_to_empty,
+        "reference_plain": reference.plain.cos,
+        "parameters": full_parameters(model),
+    }
+
+
+def scenario_mixed_precision(output: Path) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = sharded(Decoder(), mesh, MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    train(model, steps=1)
+    return {"seen": model.blocks[0].seen_dtypes, "outside": model.blocks[0].scale.value.dtype}
+
+
+def scenario_dcp(output: Path) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = sharded(Decoder(persist=True), mesh)
+    model.blocks[0].state.reconstrain(0, 3)  # one more constraint than a fresh model has
+    model.blocks[0].state.value = torch.full((3, DIM), 5.0)
+    model.blocks[1].state.reconstrain(1, None)  # and one fewer
+    train(model, steps=1)
+    saved_parameters = full_parameters(model)
+    checkpoint = str(output / "checkpoint")
+    dcp.save(model.state_dict(), checkpoint_id=checkpoint)
+
+    with torch.device("meta"):
+        fresh = sharded(Decoder(persist=True), mesh)
+    fresh.to_empty(device="cpu")
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=checkpoint, planner=modattrs.ResizingLoadPlanner())
+    fresh.load_state_dict(state)
+    return {
+        "saved_parameters": saved_parameters,
+        "loaded_parameters": full_parameters(fresh),
+        "constraints": [block.state.constraints for block in fresh.blocks],
+        "saved_constraints": [block.state.constraints for block in model.blocks],
+        "state": fresh.blocks[0].state.value,
+        "virtual": virtual_values(fresh),
+        "reference_virtual": virtual_values(Decoder()),
+    }
+
+
+SCENARIOS = {
+    "ddp-broadcast": lambda out: scenario_ddp(out, broadcast_buffers=True),
+    "ddp-no-broadcast": lambda out: scenario_ddp(out, broadcast_buffers=False),
+    "fsdp-meta-init": scenario_fsdp_meta_init,
+    "mixed-precision": scenario_mixed_precision,
+    "dcp": scenario_dcp,
+}
+
+
+def main() -> None:
+    scenario, output = sys.argv[1], Path(sys.argv[2])
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    try:
+        result = SCENARIOS[scenario](output)
+        torch.save(result, output / f"rank{dist.get_rank()}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

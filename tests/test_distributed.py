@@ -1,0 +1,103 @@
+"""modattrs under torch.distributed: DDP, FSDP2 with meta-device initialization, mixed precision and DCP.
+
+Every scenario runs on 2 real processes (gloo, 127.0.0.1), each bounded by a timeout; a crash or an abort at
+teardown fails the test. The workers are in distributed_workers.py.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+TESTS = Path(__file__).resolve().parent
+WORKERS = TESTS / "distributed_workers.py"
+TIMEOUT = 90
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_ranks(scenario: str, output: Path, world_size: int = 2) -> list[dict[str, Any]]:
+    """Run one scenario on `world_size` processes; return what each rank saved."""
+    port = free_port()
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": "1",
+    }
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(WORKERS), scenario, str(output)],
+            env={**environment, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    failures = []
+    for rank, process in enumerate(ranks):
+        try:
+            _, stderr = process.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            for other in ranks:
+                other.kill()
+            pytest.fail(f"{scenario}: rank {rank} did not finish in {TIMEOUT} s")
+        if process.returncode != 0:
+            failures.append(f"rank {rank} exited with {process.returncode}:\n{stderr[-3000:]}")
+    assert not failures, "\n".join(failures)
+    return [torch.load(output / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def assert_equal_dicts(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast-buffers", "no-broadcast-buffers"])
+def test_ddp_trains_and_ranks_agree(broadcast: bool, tmp_path: Path) -> None:
+    first, second = run_ranks("ddp-broadcast" if broadcast else "ddp-no-broadcast", tmp_path)
+    assert_equal_dicts(first["parameters"], second["parameters"])
+    assert_equal_dicts(first["virtual"], second["virtual"])
+    assert len(first["virtual"]) == 6  # cos, sin and scale of two blocks
+
+
+def test_fsdp2_meta_init_gives_virtual_values_equal_to_a_cpu_build(tmp_path: Path) -> None:
+    for rank in run_ranks("fsdp-meta-init", tmp_path):
+        assert_equal_dicts(rank["virtual"], rank["reference_virtual"])  # bit for bit, no re-initialization
+        assert_equal_dicts(rank["virtual_after_training"], rank["reference_virtual"])
+        # The hand-rolled buffer computed in __init__ comes back as whatever memory to_empty handed out.
+        assert not torch.equal(rank["plain"], rank["reference_plain"])
+
+
+def test_fsdp2_mixed_precision_virtual_values_follow_the_compute_dtype_where_asked(tmp_path: Path) -> None:
+    for rank in run_ranks("mixed-precision", tmp_path):
+        # FSDP casts parameters to bfloat16 for forward, and leaves buffers alone.
+        assert rank["seen"]["weight"] == torch.bfloat16
+        assert rank["seen"]["scale"] == torch.bfloat16  # dtype_from="qkv.weight": the compute dtype
+        assert rank["seen"]["cos"] == torch.float32  # follow_dtype=False: fixed float32 rotary tables
+        assert rank["outside"] == torch.float32  # outside forward, qkv.weight is the float32 sharded parameter
+
+
+def test_distributed_checkpoint_round_trip_into_a_fresh_meta_built_model(tmp_path: Path) -> None:
+    for rank in run_ranks("dcp", tmp_path):
+        assert_equal_dicts(rank["loaded_parameters"], rank["saved_parameters"])
+        assert rank["constraints"] == rank["saved_constraints"] == [{0: 3, 1: 16}, {}]
+        assert torch.equal(rank["state"], torch.full((3, 16), 5.0))
+        assert_equal_dicts(rank["virtual"], rank["reference_virtual"])
