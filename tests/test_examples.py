@@ -15,6 +15,11 @@ EXPECTED = {
     "kv_cache.py": "after shrinking the batch to 1: (1, 4, 4, 8)",
     "fake_export.py": "fc1 on cpu, fc2 on cuda: devices ['cpu', 'cuda:0']; transfers ['aten.to.dtype_layout: cpu ->",
     "inspect_llama.py": "Llama-2-7B: 6,738,415,616 parameters",
+    "fsdp_meta_init.py": (
+        "VirtualTensor rotary tables equal to a CPU build: True\n"
+        "hand-rolled inv_freq buffer equal to a CPU build: False"
+    ),
+    "simulate_fsdp_70b.py": "matches an even split of dim 0: True",
 }
 
 
