@@ -552,3 +552,68 @@ def test_a_deleted_virtual_tensor_still_held_can_be_recreated() -> None:
     gc.collect()
     assert m._buffers["_v_ref"].dtype == torch.float16
     assert len(m._state_dict_hooks) == 1
+
+
+# --- dtype_from -----------------------------------------------------------------------------------------------------
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(2, 2)
+        VirtualTensor(self, "scale", doubled, dtype_from="proj.weight")
+
+
+def test_dtype_from_takes_the_dtype_of_an_owners_tensor_at_each_read() -> None:
+    m = Scaled()
+    assert m.scale.value.dtype == torch.float32
+    m.proj.weight.data = m.proj.weight.data.to(torch.bfloat16)  # what FSDP mixed precision does in forward
+    assert m.scale.value.dtype == torch.bfloat16
+    assert m.scale.dtype == torch.bfloat16
+    assert m.scale.dtype_from == "proj.weight"
+    assert not m.scale.follow_dtype
+
+
+def test_dtype_from_follows_the_device_of_the_reference() -> None:
+    m = Scaled().to("meta")
+    assert m.scale.value.device == torch.device("meta")
+
+
+def test_an_attribute_with_dtype_from_refuses_dtype_changes_of_its_own() -> None:
+    m = Scaled()
+    for change in (lambda: m.scale.to(torch.float64), lambda: setattr(m.scale, "dtype", torch.float64)):
+        with pytest.raises(ValueError, match=r"takes its dtype from 'proj\.weight'"):
+            change()
+    with pytest.raises(ValueError, match="takes its dtype from"):
+        m.scale.follow_dtype = False
+    m.scale.to("meta")  # devices still move
+    assert m.scale.device == torch.device("meta")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"dtype_from": "proj.missing"}, AttributeError, "dtype_from='proj.missing'"),
+        ({"dtype_from": "proj"}, TypeError, "'proj' is a Linear, not a tensor"),
+        ({"dtype_from": 3}, TypeError, "dtype_from must be a str"),
+        ({"dtype_from": "proj.weight", "dtype": torch.float64}, ValueError, "do not pass dtype or follow_dtype"),
+        ({"dtype_from": "proj.weight", "follow_dtype": False}, ValueError, "do not pass dtype or follow_dtype"),
+    ],
+)
+def test_bad_dtype_from_raises_and_leaves_the_module_as_it_was(
+    kwargs: dict[str, object], error: type[Exception], match: str
+) -> None:
+    m = nn.Module()
+    m.proj = nn.Linear(2, 2)
+    before = snapshot(m)
+    with pytest.raises(error, match=match):
+        VirtualTensor(m, "scale", doubled, **kwargs)  # type: ignore[arg-type]
+    assert snapshot(m) == before
+
+
+def test_dtype_from_survives_a_deep_copy() -> None:
+    import copy
+
+    clone = copy.deepcopy(Scaled())
+    clone.proj.half()
+    assert clone.scale.value.dtype == torch.float16
