@@ -1,0 +1,5 @@
+"""``python -m modattrs``: see ``python -m modattrs inspect --help``."""
+
+from modattrs._cli import main
+
+raise SystemExit(main())

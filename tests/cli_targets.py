@@ -1,0 +1,24 @@
+"""Targets for the `python -m modattrs inspect` tests, importable as `cli_targets:NAME`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+NOT_CALLABLE = 42
+
+
+def not_a_module() -> str:
+    return "a string"
+
+
+def failing(**kwargs: Any) -> nn.Module:
+    raise ValueError("layers must be positive")
+
+
+def llama(**overrides: Any) -> nn.Module:
+    """A factory for a third-party model zoo: transformers' Llama, configured from the command line."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**overrides))

@@ -1,0 +1,136 @@
+"""python -m modattrs inspect: output, JSON, targets and every error path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from modattrs._cli import main
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+
+SMALL = ["layers=2", "dim=64", "heads=4", "kv_heads=2", "hidden=128", "vocab=100", "context=32"]
+
+
+def inspect_json(*arguments: str, capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+    assert main(["inspect", *arguments, "--format", "json"]) == 0
+    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+
+def test_the_default_target_is_a_70b_decoder_built_fake_on_a_spoofed_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    report = inspect_json("--device", "cuda", "--dtype", "bfloat16", capsys=capsys)
+    assert report["total_parameters"] == 68_976_648_192
+    kv_cache = 80 * 2 * (1 * 8 * 4096 * 128) * 2
+    assert report["total_bytes"] == 68_976_648_192 * 2 + kv_cache
+    assert report["by_device"] == {"cuda:0": {"parameters": 68_976_648_192, "bytes": report["total_bytes"]}}
+    assert report["by_dtype"] == {"bfloat16": {"parameters": 68_976_648_192, "bytes": report["total_bytes"]}}
+    modules = {m["name"]: m for m in report["modules"]}  # type: ignore[attr-defined]
+    assert modules["layers.0"]["parameters"] == 855_654_400
+    assert modules["embed"]["bytes"] == 32000 * 8192 * 2
+    attributes = {a["name"]: a for a in report["attributes"]}  # type: ignore[attr-defined]
+    assert len(attributes) == 80 * 4
+    assert attributes["layers.79.attention.rotary.cos"] == {
+        "name": "layers.79.attention.rotary.cos", "kind": "VirtualTensor", "shape": [4096, 64],
+        "dtype": "float32", "device": "cuda:0", "bytes": 4096 * 64 * 4,
+    }  # fmt: skip
+    assert attributes["layers.0.attention.keys"]["constraints"] == {"1": 8, "3": 128}
+    assert report["build_memory_mib"] < 100
+
+
+def test_text_output_shows_the_tree_totals_and_attributes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", *SMALL, "--dtype", "float16", "--depth", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "modattrs._default_model:Decoder on cpu as float16 (fake: nothing was allocated)" in out
+    assert "    0-1  " in out  # layers.0 and layers.1 are the same: one line
+    assert "      attention " in out  # depth 3
+    for line in ("total: ", "  device cpu ", "  dtype float16 ", "layers.0-1.attention.rotary.cos      VirtualTensor"):
+        assert line in out
+    assert "constraints {1: 2, 3: 16}" in out
+
+
+def test_depth_limits_the_tree(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", *SMALL, "--depth", "0"]) == 0
+    table = capsys.readouterr().out.split("\n\n")[1]
+    assert len(table.splitlines()) == 2  # the header and the model
+
+
+def test_keyword_arguments_are_python_literals(capsys: pytest.CaptureFixture[str]) -> None:
+    report = inspect_json(*SMALL, "rope_base=5e5", capsys=capsys)
+    assert report["target"] == "modattrs._default_model:Decoder"
+    assert report["total_parameters"] == 100 * 64 * 2 + 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64) + 64
+
+
+def test_a_transformers_model_through_a_small_factory(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    report = inspect_json(
+        "cli_targets:llama", "hidden_size=4096", "intermediate_size=11008", "num_hidden_layers=32",
+        "num_attention_heads=32", "num_key_value_heads=32", "vocab_size=32000", "--device", "cuda:1",
+        "--dtype", "bfloat16", capsys=capsys,
+    )  # fmt: skip
+    assert report["total_parameters"] == 6_738_415_616
+    assert list(report["by_device"]) == ["cuda:1"]  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["no_such_package.models:Model"], "cannot import 'no_such_package.models': ModuleNotFoundError"),
+        (["cli_targets"], "target must be package.module:callable, got 'cli_targets'"),
+        (["cli_targets:missing"], "module 'cli_targets' has no attribute 'missing'"),
+        (["cli_targets:NOT_CALLABLE"], "cli_targets:NOT_CALLABLE is a int, not callable"),
+        (["cli_targets:not_a_module"], "cli_targets:not_a_module returned str, not an nn.Module"),
+        (["cli_targets:failing", "layers=0"], "cli_targets:failing(layers=0) raised ValueError: layers must be"),
+        (["cli_targets:llama", "hidden_size=big"], "the value of hidden_size is not a Python literal: 'big'"),
+        (["cli_targets:llama", "4096"], "expected key=value, got '4096'"),
+        (["--device", "gpu"], "unknown device 'gpu'"),
+        (["--device", "mps"], "device 'mps' is not supported here"),
+        (["--dtype", "float12"], "unknown floating-point dtype 'float12'"),
+        (["--dtype", "int8"], "unknown floating-point dtype 'int8'"),
+        (["--format", "yaml"], "invalid choice: 'yaml'"),
+        (["--depth", "deep"], "invalid int value: 'deep'"),
+    ],
+)
+def test_errors_print_one_line_and_exit_non_zero(
+    arguments: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["inspect", *arguments]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1
+    assert captured.err.startswith("modattrs inspect: error: ")
+    assert message in captured.err
+
+
+def test_python_dash_m_runs_the_command_and_reports_errors_without_a_traceback() -> None:
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "modattrs", "inspect"]
+    ok = subprocess.run([*command, *SMALL], capture_output=True, text=True, env=environment, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "(fake: nothing was allocated)" in ok.stdout
+    bad = subprocess.run([*command, "nowhere:Model"], capture_output=True, text=True, env=environment, timeout=120)
+    assert bad.returncode == 2
+    assert "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        "modattrs inspect: error: cannot import 'nowhere': ModuleNotFoundError: No module named 'nowhere'"
+    ]
+
+
+def test_the_default_model_runs_a_prompt_and_a_decoding_step_with_its_kv_cache() -> None:
+    import torch
+
+    from modattrs._default_model import Decoder
+
+    torch.manual_seed(0)
+    model = Decoder(vocab=50, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, batch=2, context=16)
+    tokens = torch.randint(0, 50, (2, 6))
+    with torch.no_grad():
+        full = model(tokens)
+        model(tokens[:, :5])
+        step = model(tokens[:, 5:], start=5)
+    torch.testing.assert_close(step[:, 0], full[:, 5], rtol=1e-4, atol=1e-4)
