@@ -2,6 +2,7 @@
 
 from typing import TYPE_CHECKING
 
+from modattrs._cache import cached
 from modattrs._serialization import safe_globals
 from modattrs.shaped import ShapedTensor
 from modattrs.virtual import VirtualTensor, sync_references
@@ -9,7 +10,7 @@ from modattrs.virtual import VirtualTensor, sync_references
 if TYPE_CHECKING:
     from modattrs._checkpoint import ResizingLoadPlanner
 
-__all__ = ["ResizingLoadPlanner", "ShapedTensor", "VirtualTensor", "safe_globals", "sync_references"]
+__all__ = ["ResizingLoadPlanner", "ShapedTensor", "VirtualTensor", "cached", "safe_globals", "sync_references"]
 __version__ = "0.1.0"
 
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode, maybe_get_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from modattrs import _cache
 from modattrs._attribute import OwnedAttribute, bind, check_names, check_owner, take_over
+from modattrs._cache import Cache, Entry, keeps_graph, snapshot_of
 
 __all__ = ["VirtualTensor", "sync_references"]
 
@@ -61,7 +63,7 @@ class VirtualTensor(OwnedAttribute):
     registered on the owner is removed.
     """
 
-    __slots__ = ("_dtype", "_dtype_from", "_function", "_method", "_ref_name")
+    __slots__ = ("_cache", "_depends_on", "_dtype", "_dtype_from", "_function", "_method", "_ref_name")
 
     LinkedAttributes = VirtualTensorAttributes
     _suffixes = ("ref",)
@@ -70,6 +72,8 @@ class VirtualTensor(OwnedAttribute):
     _function: Materializer  # called as fn(owner, dtype, device); for a method, its underlying function
     _dtype: torch.dtype | None  # None: follow the reference's dtype; otherwise the fixed dtype
     _dtype_from: str | None  # the path of an owner's tensor whose dtype the value takes, at each read
+    _cache: Cache | None  # the lasting cache, with cache=True
+    _depends_on: tuple[str, ...]
     _ref_name: str
 
     def __init__(
@@ -83,6 +87,8 @@ class VirtualTensor(OwnedAttribute):
         *,
         follow_dtype: bool | None = None,
         dtype_from: str | None = None,
+        cache: bool = False,
+        depends_on: Sequence[str] = (),
     ) -> None:
         owner = check_owner("VirtualTensor", owner)
         name = check_names(self, owner, name)
@@ -92,6 +98,7 @@ class VirtualTensor(OwnedAttribute):
             raise TypeError(f"VirtualTensor {name!r}: dtype must be a torch.dtype or None, got {dtype!r}")
         if dtype_from is not None:
             _check_dtype_from(owner, name, dtype_from, dtype, follow_dtype)
+        depends_on = _check_depends_on(owner, name, depends_on)
         value_dtype = torch.get_default_dtype() if dtype is None else dtype
         follows = value_dtype.is_floating_point if follow_dtype is None else bool(follow_dtype)
         if follows and not _can_follow(value_dtype):
@@ -106,6 +113,8 @@ class VirtualTensor(OwnedAttribute):
         self._function = function
         self._dtype = None if follows else value_dtype
         self._dtype_from = dtype_from
+        self._depends_on = depends_on
+        self._cache = Cache(depends_on) if cache else None
         self._ref_name = ref_name
         take_over(owner, name)
         owner.register_buffer(ref_name, ref, persistent=bool(persist))
@@ -142,18 +151,74 @@ class VirtualTensor(OwnedAttribute):
         if owner is None:
             raise self._owner_gone()
         ref = owner._buffers.get(self._ref_name)
-        if type(ref) is not Tensor:
-            # Missing, or a subclass. A fake reference is materialized inside its own fake mode, or factories
-            # would make real tensors (on a spoofed device: fail); the read inside the mode takes the path below.
-            mode = self._fake_mode_to_enter(ref)
-            if mode is not None:
-                with mode:
-                    return self.value
-        # (ref is a tensor here: _fake_mode_to_enter raised for None.)
-        dtype = self._dtype or ref.dtype  # type: ignore[union-attr]  # dtypes are truthy: "the fixed dtype, if any"
+        if type(ref) is Tensor and not _cache.open_scopes:
+            cache = self._cache
+            if cache is None:
+                return self._compute(owner, ref)
+            # The hit path, kept short; the slow path checks everything before computing. A plain reference that
+            # is the same object means the same device and, for an attribute following the module, dtype; a fixed
+            # dtype changes only through this attribute, which then clears the cache; dtype_from needs the check.
+            entry = cache.entry
+            if (
+                entry is not None
+                and entry.ref is ref
+                and entry.plain
+                and self._dtype_from is None
+                and not torch.compiler.is_compiling()
+                and not torch._C._len_torch_dispatch_stack()
+                and (not entry.dependencies or entry.unchanged(owner))
+            ):
+                return entry.value
+        return self._value_slowly(owner, ref)
+
+    def _value_slowly(self, owner: nn.Module, ref: Tensor | None) -> Tensor:
+        """``value`` for fake (or missing) references, cached attributes, and reads inside ``modattrs.cached()``."""
+        if ref is None:
+            raise self._reference_gone()
+        if torch.compiler.is_compiling():
+            # Compute in the graph: a cached tensor would be lifted as a constant, stale after any change. And
+            # dynamo cannot trace the mode lookups below.
+            return self._compute(owner, ref)
+        own_mode = ref.fake_mode if isinstance(ref, FakeTensor) else None
+        if torch._C._len_torch_dispatch_stack():
+            mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+            if mode is None or (own_mode is not None and mode is not own_mode):
+                return self._compute(owner, ref)  # another dispatch mode (export, a counter): it drives, no caching
+            enter = None
+        else:
+            mode = enter = own_mode  # a fake reference read outside its mode: in its mode, as the same state
+        dtype = self._dtype or self._dtype_from_dtype(owner) or ref.dtype
+        scope = _cache.scope()
+        if scope is not None:
+            entry = scope.get(id(self))
+            if entry is not None and entry.current(owner, ref, dtype, mode):
+                return entry.value
+        if self._cache is None:
+            value = self._compute_in(enter, owner, ref)
+        else:
+            with self._cache.lock:  # concurrent readers compute once
+                entry = self._cache.entry
+                if entry is not None and entry.current(owner, ref, dtype, mode):
+                    return entry.value
+                snapshot = self._cache.snapshot(owner)
+                value = self._compute_in(enter, owner, ref)
+                # A value with an autograd graph is never kept: backward frees the graph.
+                self._cache.entry = None if keeps_graph(value) else Entry(ref, dtype, mode, snapshot, value)
+        if scope is not None:
+            scope[id(self)] = Entry(ref, dtype, mode, snapshot_of(owner, self._depends_on), value)
+        return value
+
+    def _compute_in(self, mode: FakeTensorMode | None, owner: nn.Module, ref: Tensor) -> Tensor:
+        if mode is None:
+            return self._compute(owner, ref)
+        with mode:
+            return self._compute(owner, ref)
+
+    def _compute(self, owner: nn.Module, ref: Tensor) -> Tensor:
+        dtype = self._dtype or ref.dtype  # dtypes are truthy: this reads "the fixed dtype, if any"
         if self._dtype_from is not None:
             dtype = _tensor_at(owner, self._dtype_from).dtype
-        device = ref.device  # type: ignore[union-attr]
+        device = ref.device
         result = self._function(owner, dtype, device)
         # dtypes are singletons, so `is` is exact; comparing devices is dearer, so it comes second. The type check
         # is only needed when something is off: a non-tensor fails the attribute reads or the comparisons.
@@ -169,6 +234,27 @@ class VirtualTensor(OwnedAttribute):
                 )
             result = result.to(device=device, dtype=dtype)
         return result
+
+    def _dtype_from_dtype(self, owner: nn.Module) -> torch.dtype | None:
+        return None if self._dtype_from is None else _tensor_at(owner, self._dtype_from).dtype
+
+    @property
+    def cached(self) -> bool:
+        """Whether the attribute keeps its last value (``cache=True``)."""
+        return self._cache is not None
+
+    @property
+    def depends_on(self) -> tuple[str, ...]:
+        """Names of the owner's attributes whose changes invalidate cached values."""
+        return self._depends_on
+
+    def invalidate(self) -> None:
+        """Forget the cached value, in the lasting cache and in this thread's ``modattrs.cached()`` scope."""
+        if self._cache is not None:
+            self._cache.clear()
+        scope = _cache.scope()
+        if scope is not None:
+            scope.pop(id(self), None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -218,6 +304,7 @@ class VirtualTensor(OwnedAttribute):
             self._dtype = None
         elif not follow and self._dtype is None:
             self._dtype = ref.dtype
+        self.invalidate()
 
     @property
     def persist(self) -> bool:
@@ -258,8 +345,9 @@ class VirtualTensor(OwnedAttribute):
         if ref.device != device or ref.dtype != ref_dtype:
             # A new empty reference rather than ref.to(): a meta reference has no data to copy.
             owner._buffers[self._ref_name] = _make_reference(self._name, ref_dtype, device, like=ref)
-        if self._dtype is not None:
+        if self._dtype is not None and self._dtype is not dtype:
             self._dtype = dtype
+            self.invalidate()
         return self
 
     @property
@@ -323,16 +411,6 @@ class VirtualTensor(OwnedAttribute):
     def __repr__(self) -> str:
         return f"VirtualTensor(name={self._name!r}, materializer={self._materializer_name()}, {self._where()})"
 
-    def _fake_mode_to_enter(self, ref: Tensor | None) -> FakeTensorMode | None:
-        if ref is None:
-            raise self._reference_gone()
-        if torch.compiler.is_compiling():
-            return None  # tracing runs its own fake mode; and dynamo cannot trace the mode lookup below
-        mode = maybe_get_fake_mode(ref)
-        if mode is None or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
-            return None  # not fake, or a fake mode is in effect already (this one, or export's)
-        return mode
-
     def _reference(self) -> Tensor:
         ref = self._live_owner()._buffers.get(self._ref_name)
         if ref is None:
@@ -382,6 +460,21 @@ def _check_materializer(owner: nn.Module, name: str, materializer: object) -> tu
             "itself: it would be called with the owner twice and would keep the owner alive"
         )
     return None, materializer
+
+
+def _check_depends_on(owner: nn.Module, name: str, depends_on: object) -> tuple[str, ...]:
+    if isinstance(depends_on, str) or not isinstance(depends_on, Sequence):
+        raise TypeError(f"VirtualTensor {name!r}: depends_on must be a sequence of attribute names, got {depends_on!r}")
+    for dependency in depends_on:
+        if not isinstance(dependency, str):
+            raise TypeError(f"VirtualTensor {name!r}: depends_on must name attributes, got {dependency!r}")
+        tables = (owner._parameters, owner._buffers, owner._modules, owner.__dict__)
+        if not any(dependency in table for table in tables):
+            raise AttributeError(
+                f"VirtualTensor {name!r}: depends_on names {dependency!r}, which is not a parameter, buffer, "
+                f"submodule or instance attribute of {type(owner).__name__}"
+            )
+    return tuple(depends_on)
 
 
 def _check_dtype_from(

@@ -1,0 +1,159 @@
+"""Caches of :class:`~modattrs.VirtualTensor` values: each attribute's lasting cache, and ``modattrs.cached()``.
+
+A cached value is reused while the *state* it was computed in holds: the same reference buffer object (every
+conversion of a module replaces its buffers, so this covers dtype and device changes by any route), the same
+dtype, the same grad and inference modes, the same fake mode, and unchanged declared dependencies. The state is
+compared field by field, and holds no tensor but the zero-element reference: dependencies are held weakly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["cached"]
+
+#: Scopes open in any thread: a cheap test on the hot path before the thread-local one.
+open_scopes = 0
+_scopes_lock = threading.Lock()
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def cached() -> Iterator[None]:
+    """Materialize every :class:`~modattrs.VirtualTensor` at most once per state inside the block.
+
+    Inside the block, reading ``value`` of any attribute, cached or not, computes it once and then returns the same
+    tensor while the state it was computed in holds, autograd graph included: one forward and backward pass can
+    read a value many times and backpropagate through it once. Nothing is kept after the block. The scope belongs
+    to the thread that opens it; nested blocks share the outermost one.
+    """
+    global open_scopes
+    outermost = getattr(_local, "values", None) is None
+    if outermost:
+        _local.values = {}
+    with _scopes_lock:
+        open_scopes += 1
+    try:
+        yield
+    finally:
+        with _scopes_lock:
+            open_scopes -= 1
+        if outermost:
+            del _local.values
+
+
+def scope() -> dict[int, Entry] | None:
+    """This thread's scoped cache, by attribute id, if a ``cached()`` block is open in it."""
+    values: dict[int, Entry] | None = getattr(_local, "values", None)
+    return values
+
+
+class Entry:
+    """A value and what it was computed from.
+
+    The reference buffer object stands for the device, and for the dtype of attributes that follow the module
+    (conversions replace it); it is held strongly: it has no elements, and holding it keeps its id from being
+    reused. The dtype is kept too, for fixed dtypes and ``dtype_from``. Dependencies are held weakly (tensors) or
+    by value (anything else).
+    """
+
+    __slots__ = ("dependencies", "dtype", "grad", "inference", "mode", "plain", "ref", "value")
+
+    def __init__(
+        self, ref: Tensor, dtype: torch.dtype, mode: object, dependencies: list[Dependency], value: Tensor
+    ) -> None:
+        self.ref = ref
+        self.dtype = dtype  # for dtype_from, whose dtype changes without the reference
+        self.grad = torch.is_grad_enabled()
+        self.inference = torch.is_inference_mode_enabled()
+        self.mode = mode
+        self.dependencies = dependencies
+        self.value = value
+        # Computed with grad enabled and outside inference mode (and, having been kept, with no graph): valid in
+        # any grad mode. A value computed under no_grad or in inference mode is reused only in that mode.
+        self.plain = self.grad and not self.inference
+
+    def unchanged(self, owner: nn.Module) -> bool:
+        """Whether the dependencies are as they were."""
+        for table, name, saved, version in self.dependencies:
+            current = table.get(name, _MISSING)
+            if isinstance(saved, weakref.ref):
+                if saved() is not current or current._version != version:  # type: ignore[union-attr]
+                    return False
+            elif current is not saved and not _equal(current, saved):
+                return False
+        return True
+
+    def current(self, owner: nn.Module, ref: Tensor, dtype: torch.dtype, mode: object) -> bool:
+        """Whether the value still holds for a read of ``ref`` as ``dtype`` in fake mode ``mode`` (or none)."""
+        if self.ref is not ref or self.dtype is not dtype or self.mode is not mode:
+            return False
+        if not self.plain and (
+            self.grad is not torch.is_grad_enabled() or self.inference is not torch.is_inference_mode_enabled()
+        ):
+            return False
+        return self.unchanged(owner)
+
+
+class Cache:
+    """The lasting cache of one attribute: one entry at most, and a lock so that concurrent readers compute once."""
+
+    __slots__ = ("depends_on", "entry", "lock")
+
+    def __init__(self, depends_on: tuple[str, ...]) -> None:
+        self.depends_on = depends_on
+        self.entry: Entry | None = None
+        self.lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Cache, (self.depends_on,))  # copies and pickles start empty
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entry = None
+
+    def snapshot(self, owner: nn.Module) -> list[Dependency]:
+        return snapshot_of(owner, self.depends_on)
+
+
+Dependency = tuple[dict[str, Any], str, Any, int]
+
+
+def snapshot_of(owner: nn.Module, names: tuple[str, ...]) -> list[Dependency]:
+    """The dependencies' current state: the dictionary of the owner that holds each (its parameters, buffers,
+    submodules or plain attributes: read directly, as ``getattr`` on a module is slow), and the value, held weakly
+    with its version counter for a tensor."""
+    snapshot: list[Dependency] = []
+    for name in names:
+        table: dict[str, Any] = owner.__dict__
+        for candidate in (owner._parameters, owner._buffers, owner._modules):
+            if name in candidate:
+                table = candidate
+        current = table.get(name, _MISSING)
+        if isinstance(current, Tensor):
+            snapshot.append((table, name, weakref.ref(current), current._version))
+        else:
+            snapshot.append((table, name, current, 0))
+    return snapshot
+
+
+_MISSING = object()
+
+
+def _equal(a: object, b: object) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # an == that does not give a bool (arrays): not provably equal, so a change
+        return False
+
+
+def keeps_graph(value: Tensor) -> bool:
+    """Whether ``value`` carries an autograd graph, which a lasting cache must not keep (it is freed by backward)."""
+    return value.grad_fn is not None

@@ -1,0 +1,345 @@
+"""Cached virtual values: reused while nothing they depend on changes, recomputed once when something does."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import threading
+import weakref
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import modattrs
+from modattrs import VirtualTensor
+from modattrs.fake import fake_mode
+
+
+class Counted(nn.Module):
+    """``table`` depends on ``weight`` (a parameter), ``scale`` (a plain attribute) and ``offsets`` (a buffer)."""
+
+    def __init__(self, cache: bool = True, **kwargs: object) -> None:
+        super().__init__()
+        self.calls = 0
+        self.scale = 2.0
+        self.weight = nn.Parameter(torch.ones(3))
+        self.register_buffer("offsets", torch.zeros(3))
+        depends_on = kwargs.pop("depends_on", ("weight", "scale", "offsets"))
+        VirtualTensor(self, "table", "make_table", cache=cache, depends_on=depends_on, **kwargs)  # type: ignore[arg-type]
+
+    def make_table(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        self.calls += 1
+        return (self.weight.detach() * self.scale + self.offsets).to(device=device, dtype=dtype)
+
+
+def test_a_cached_value_is_the_same_tensor_until_something_changes() -> None:
+    m = Counted()
+    first = m.table.value
+    assert m.table.value is first
+    assert m.calls == 1
+    assert m.table.cached
+    assert m.table.depends_on == ("weight", "scale", "offsets")
+
+
+def test_without_cache_every_read_computes() -> None:
+    m = Counted(cache=False)
+    assert m.table.value is not m.table.value
+    assert m.calls == 2
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda m: m.to(torch.float64), id="module.to"),
+        pytest.param(lambda m: m.half(), id="module.half"),
+        pytest.param(lambda m: m.to("meta").to_empty(device="cpu"), id="to_empty"),
+        pytest.param(lambda m: m.table.to(torch.float64), id="vt.to"),
+        pytest.param(lambda m: setattr(m.table, "dtype", torch.float16), id="vt.dtype"),
+        pytest.param(lambda m: m.table.to("meta"), id="vt.device"),
+        pytest.param(lambda m: m.load_state_dict(Counted(persist=True).double().state_dict(), assign=True),
+                     id="load_state_dict-assign"),
+        pytest.param(lambda m: setattr(m, "weight", nn.Parameter(torch.ones(3))), id="dependency-replaced"),
+        pytest.param(lambda m: m.offsets.add_(1.0), id="dependency-modified-in-place"),
+        pytest.param(lambda m: torch.no_grad()(m.weight.mul_)(2.0), id="parameter-modified-in-place"),
+        pytest.param(lambda m: setattr(m, "scale", 3.0), id="plain-dependency-changed"),
+        pytest.param(lambda m: m.table.invalidate(), id="invalidate"),
+    ],
+)  # fmt: skip
+def test_each_change_invalidates_and_the_next_read_computes_once(change: object) -> None:
+    m = Counted(persist=True)
+    first = m.table.value
+    change(m)  # type: ignore[operator]
+    second = m.table.value
+    assert second is not first
+    assert m.table.value is second
+    assert m.calls == 2
+
+
+def test_an_equal_plain_dependency_is_no_change() -> None:
+    m = Counted()
+    first = m.table.value
+    m.scale = float("2.0")  # another object, equal value
+    assert m.table.value is first
+
+
+def test_a_fixed_dtype_attribute_is_invalidated_by_a_device_change_only() -> None:
+    m = Counted(dtype=torch.float32, follow_dtype=False)
+    first = m.table.value
+    m.half()
+    assert m.table.value is not first  # the reference was replaced, even though the dtype stayed float32
+    assert m.table.value.dtype == torch.float32
+
+
+def test_changes_that_cannot_be_seen_are_not_seen() -> None:
+    m = Counted(depends_on=("weight",))
+    first = m.table.value
+    with torch.no_grad():
+        m.offsets.add_(1.0)  # not declared
+    m.weight.data.mul_(2.0)  # .data has a version counter of its own
+    assert m.table.value is first  # documented: declare dependencies, write through no_grad, or invalidate()
+
+
+def test_a_value_with_an_autograd_graph_is_never_kept() -> None:
+    class Graph(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(3))
+            VirtualTensor(self, "doubled", lambda m, dtype, device: m.weight * 2, cache=True)
+
+    m = Graph()
+    first = m.doubled.value
+    assert first.grad_fn is not None
+    second = m.doubled.value
+    assert second is not first
+    second.sum().backward()  # a fresh graph: never one that a previous backward freed
+    first.sum().backward()
+    assert torch.equal(m.weight.grad, torch.full((3,), 4.0))  # type: ignore[arg-type]
+    with torch.no_grad():
+        kept = m.doubled.value
+        assert m.doubled.value is kept
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_a_value_computed_in_a_grad_mode_is_reused_only_in_that_mode(mode: object) -> None:
+    m = Counted()
+    with mode():  # type: ignore[operator]
+        inside = m.table.value
+        assert m.table.value is inside
+    outside = m.table.value
+    assert outside is not inside
+    assert m.table.value is outside
+
+
+def test_a_different_fake_mode_invalidates_and_reading_outside_the_own_mode_does_not() -> None:
+    with fake_mode() as own:
+        m = Counted()
+        inside = m.table.value
+    assert m.table.value is inside  # outside its own mode: the same state
+    with own:
+        assert m.table.value is inside
+    with fake_mode():
+        other = m.table.value
+    assert other is not inside
+
+
+def test_concurrent_readers_compute_once() -> None:
+    m = Counted()
+    start = threading.Barrier(8)
+    values: list[Tensor] = []
+
+    def read() -> None:
+        start.wait()
+        values.append(m.table.value)
+
+    threads = [threading.Thread(target=read) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert m.calls == 1
+    assert all(value is values[0] for value in values)
+
+
+def test_each_instance_has_its_own_cache_and_copies_start_empty() -> None:
+    original = Counted()
+    other = Counted()
+    assert other.table.value is not original.table.value
+    value = original.table.value
+    clone = copy.deepcopy(original)
+    clone.scale = 5.0
+    assert torch.equal(clone.table.value, torch.full((3,), 5.0))
+    assert original.table.value is value
+    loaded = pickle.loads(pickle.dumps(original))
+    assert loaded.table.value is not value
+    assert loaded.table.cached
+
+
+def test_the_cache_holds_one_tensor_and_invalidate_or_deleting_the_owner_frees_it() -> None:
+    m = Counted()
+    value = m.table.value
+    alive = weakref.ref(value)
+    del value
+    m.scale = 4.0
+    m.table.value  # replaces the entry: the old value is gone
+    assert alive() is None
+    current = weakref.ref(m.table.value)
+    m.table.invalidate()
+    gc.collect()
+    assert current() is None
+    last = weakref.ref(m.table.value)
+    del m
+    gc.collect()
+    assert last() is None
+
+
+@pytest.mark.parametrize(
+    ("depends_on", "error", "match"),
+    [
+        (("missing",), AttributeError, "depends_on names 'missing', which is not a parameter"),
+        (("forward",), AttributeError, "depends_on names 'forward', which is not a parameter"),
+        ("weight", TypeError, "must be a sequence of attribute names"),
+        ((3,), TypeError, "must name attributes"),
+    ],
+)
+def test_bad_depends_on_raises_and_changes_nothing(depends_on: object, error: type[Exception], match: str) -> None:
+    m = nn.Module()
+    m.weight = nn.Parameter(torch.ones(1))
+    with pytest.raises(error, match=match):
+        VirtualTensor(m, "x", lambda o, dtype, device: torch.ones(1), cache=True, depends_on=depends_on)  # type: ignore[arg-type]
+    assert list(m._buffers) == []
+    assert "x" not in m.__dict__
+
+
+# --- the scoped cache -----------------------------------------------------------------------------------------------
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.arange(3.0))
+        self.calls = 0
+        VirtualTensor(self, "squared", "make_squared")
+
+    def make_squared(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        self.calls += 1
+        return self.weight**2
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.squared.value + self.squared.value.sum()
+
+
+def test_inside_cached_every_value_is_materialized_once_with_autograd_intact() -> None:
+    m = Model()
+    with modattrs.cached():
+        loss = m(torch.ones(3)).sum() + m.squared.value.mean()
+        assert m.calls == 1
+        loss.backward()
+    expected = Model()
+    (expected(torch.ones(3)).sum() + expected.squared.value.mean()).backward()
+    assert torch.equal(m.weight.grad, expected.weight.grad)  # type: ignore[arg-type]
+
+
+def test_nothing_is_kept_after_the_block() -> None:
+    m = Model()
+    with modattrs.cached():
+        inside = m.squared.value
+    assert m.squared.value is not inside
+    assert m.calls == 2
+
+
+def test_scopes_nest_and_the_inner_block_shares_the_outer() -> None:
+    m = Model()
+    with modattrs.cached():
+        outer = m.squared.value
+        with modattrs.cached():
+            assert m.squared.value is outer
+        assert m.squared.value is outer
+    assert m.calls == 1
+
+
+def test_a_scope_belongs_to_its_thread() -> None:
+    m = Model()
+    seen: list[Tensor] = []
+    with modattrs.cached():
+        mine = m.squared.value
+        thread = threading.Thread(target=lambda: seen.append(m.squared.value))
+        thread.start()
+        thread.join(timeout=30)
+        assert m.squared.value is mine
+    assert seen[0] is not mine
+
+
+def test_a_change_inside_the_scope_is_seen() -> None:
+    m = Counted(cache=False)
+    with modattrs.cached():
+        first = m.table.value
+        m.to(torch.float64)
+        assert m.table.value is not first
+        assert m.table.value.dtype == torch.float64
+
+
+# --- tracing ----------------------------------------------------------------------------------------------------------
+
+
+class Traced(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("base", torch.ones(4))
+        VirtualTensor(self, "ramp", "make_ramp", cache=True, depends_on=("base",))
+
+    def make_ramp(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.arange(4, dtype=dtype, device=device) * self.base.to(dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.ramp.value
+
+
+def test_compiled_forward_computes_the_value_in_the_graph_and_sees_later_changes() -> None:
+    torch._dynamo.reset()
+    m = Traced()
+    m.ramp.value  # cached before compiling: must not be baked into the graph
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(graph: torch.fx.GraphModule, inputs: object) -> object:
+        graphs.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(m, backend=backend, fullgraph=True)
+    x = torch.zeros(4)
+    torch.testing.assert_close(compiled(x), torch.arange(4.0))
+    assert any(node.target is torch.arange for node in graphs[0].graph.nodes)
+    with torch.no_grad():
+        m.base.mul_(2.0)  # an in-place update of a dependency after compiling
+    torch.testing.assert_close(compiled(x), 2 * torch.arange(4.0))
+    m.to(torch.float64)
+    out = compiled(x.double())
+    assert out.dtype == torch.float64
+
+
+def test_export_computes_the_value_in_the_graph_not_as_a_constant() -> None:
+    m = Traced()
+    m.ramp.value
+    program = torch.export.export(m, (torch.zeros(4),))
+    assert "aten.arange.default" in {str(node.target) for node in program.graph.nodes}
+    assert all(constant.numel() == 0 for constant in program.constants.values())  # only the reference
+
+
+def test_a_fixed_dtype_changed_through_the_attribute_invalidates() -> None:
+    m = Counted(dtype=torch.float32, follow_dtype=False)
+    first = m.table.value
+    m.table.to(torch.float64)
+    assert m.table.value.dtype == torch.float64
+    m.table.follow_dtype = True
+    assert m.table.value is not first
+    assert m.calls == 3
+
+
+def test_a_value_computed_with_grad_enabled_and_without_a_graph_serves_every_mode() -> None:
+    m = Counted()
+    value = m.table.value
+    with torch.no_grad():
+        assert m.table.value is value
+    with torch.inference_mode():
+        assert m.table.value is value
