@@ -5,7 +5,8 @@ device guard for the device of their tensors, fake ones included. A CUDA build w
 pretends (torch's ``FakeGuardImpl``); a CPU-only build has none, and those calls fail, or abort the process when
 autograd is involved. The cure is to register torch's own ``FakeGuardImpl<CUDA>``, which takes a few lines of
 C++: they are compiled at the first use of fake CUDA and cached by torch's extension loader under a name that
-includes the torch version.
+includes the torch version. With the guard, ``torch.autograd.backward`` and ``grad`` are replaced by versions that
+simulate backward passes over spoofed-CUDA graphs (see ``_fake_backward``).
 """
 
 from __future__ import annotations
@@ -44,9 +45,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
+#: The devices torch's fake guard knows: cuda:0 to cuda:7.
+MAX_DEVICES = 8
+
 _lock = threading.Lock()
 _failure: str | None = None
 _ready = False
+
+
+def ready() -> bool:
+    """Whether fake CUDA tensors can be used in this process: a CUDA build, or the guard is registered."""
+    return _ready or cuda_built()
 
 
 def cuda_built() -> bool:
@@ -65,6 +74,9 @@ def require() -> None:
         if _failure is None:
             try:
                 _build_and_register()
+                from modattrs import _fake_backward
+
+                _fake_backward.install()
                 _ready = True
                 return
             except Exception as error:  # the compiler's and the loader's errors vary; all mean "not available"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import warnings
 from collections.abc import Iterator
 from typing import TypeVar
 
@@ -21,7 +20,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from modattrs import _cuda_guard
-from modattrs._fake_tensors import ModattrsFakeTensorMode, SimulatedBackward, skip_data_dependent_init
+from modattrs._fake_tensors import ModattrsFakeTensorMode, check_device, install_process_hooks
 
 __all__ = ["fake_copy", "fake_mode", "is_fake", "meta_like"]
 
@@ -35,15 +34,17 @@ def fake_mode(*, fake_cuda: bool = False) -> Iterator[FakeTensorMode]:
     Modules built inside are complete but hold no data: initializers run without writing values (and
     ``trunc_normal_``, whose sampling depends on values, returns at once), so building even a model of hundreds
     of billions of parameters takes a moment and no memory. Fake tensors keep working after the block, each in
-    the mode it was made in; modules made inside can be moved with ``.to()``, ``.half()`` and the like.
+    the mode it was made in; modules made inside can be moved with ``.to()``, ``.half()`` and the like, inside
+    any fake mode or outside.
 
     Args:
-        fake_cuda: allow ``cuda`` and ``cuda:N`` devices on a build of torch without CUDA. On such a build this
-            registers torch's fake CUDA device guard in the process (compiled once, at the first use, and cached);
-            ``torch.cuda.is_available()`` stays false, and real CUDA tensors still cannot be made. Backward passes
-            over such tensors are simulated inside the block, since torch's autograd engine cannot run for a
-            device the build lacks: every leaf reached gets a fake ``.grad`` of its own shape, dtype and device,
-            and hooks and custom ``backward`` functions do not run.
+        fake_cuda: allow ``cuda`` and ``cuda:0`` to ``cuda:7`` on a build of torch without CUDA. On such a build
+            this registers torch's fake CUDA device guard in the process (compiled once, at the first use, and
+            cached); ``torch.cuda.is_available()`` stays false, and real CUDA tensors still cannot be made.
+            Backward passes over such tensors are simulated, since torch's autograd engine cannot run for a device
+            the build lacks: every leaf reached gets a fake ``.grad`` of its own shape, dtype and device, and hooks
+            and custom ``backward`` functions do not run. From then on, fake CUDA tensors work in any fake mode of
+            the process.
 
     Yields:
         the ``FakeTensorMode`` in effect.
@@ -52,16 +53,11 @@ def fake_mode(*, fake_cuda: bool = False) -> Iterator[FakeTensorMode]:
         RuntimeError: ``fake_cuda`` was asked for on a CPU-only build where the device guard cannot be built
             (no C++ compiler); the message names the alternatives.
     """
-    mode = ModattrsFakeTensorMode(fake_cuda=fake_cuda)
-    with contextlib.ExitStack() as stack:
-        if fake_cuda and not _cuda_guard.cuda_built():
-            _cuda_guard.require()
-            stack.enter_context(SimulatedBackward())
-        stack.enter_context(mode)
-        stack.enter_context(skip_data_dependent_init())
-        # torch.Tensor.__deepcopy__ reads data_ptr(), which warns for fake tensors: deep copies are expected here.
-        stack.enter_context(warnings.catch_warnings())
-        warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor", UserWarning)
+    if fake_cuda:
+        _cuda_guard.require()
+    install_process_hooks()
+    mode = ModattrsFakeTensorMode()
+    with mode:
         yield mode
 
 
@@ -84,8 +80,10 @@ def meta_like(fake: Tensor) -> Tensor:
 def fake_copy(module: ModuleT, device: torch.device | str | int | None = None) -> ModuleT:
     """A fake twin of ``module``: the same structure and attributes, with fake parameters and buffers.
 
-    No data is copied. Tied weights (one tensor reachable under several names) stay tied, parameters stay
-    parameters with their ``requires_grad``, and modattrs attributes are bound to the twin.
+    No data is copied: parameters, buffers and tensors kept as plain attributes of the modules become fake. Tied
+    weights (one tensor reachable under several names) stay tied, parameters stay parameters with their
+    ``requires_grad`` and their Python attributes, and modattrs attributes are bound to the twin. Tensors that
+    are views of one another become independent fakes, and tensors inside containers (lists, dicts) are copied.
 
     Args:
         module: a module on any device, the meta device included.
@@ -96,14 +94,26 @@ def fake_copy(module: ModuleT, device: torch.device | str | int | None = None) -
         ValueError: a tensor is on the meta device and no ``device`` was given.
     """
     target = None if device is None else torch.device(device)
-    if target is not None and target.type == "cuda" and not torch.cuda.is_available():
+    if target is not None and target.type == "cuda":
         _cuda_guard.require()
-    mode = _active_mode() or ModattrsFakeTensorMode(fake_cuda=target is not None and target.type == "cuda")
+        check_device(target)
+    install_process_hooks()
+    mode = _active_mode() or ModattrsFakeTensorMode()
     memo: dict[int, object] = {}  # deepcopy's memo: each tensor, reached under any name, becomes one fake
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+    for name, tensor in _tensors_of(module):
         if id(tensor) not in memo:
             memo[id(tensor)] = _fake_of(mode, name, tensor, target)
     return copy.deepcopy(module, memo)
+
+
+def _tensors_of(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Parameters, buffers, and tensors kept as plain attributes of the modules."""
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+    for prefix, submodule in module.named_modules():
+        for name, value in vars(submodule).items():
+            if isinstance(value, Tensor):
+                yield f"{prefix}.{name}" if prefix else name, value
 
 
 def _fake_of(mode: FakeTensorMode, name: str, tensor: Tensor, device: torch.device | None) -> Tensor:
@@ -112,7 +122,9 @@ def _fake_of(mode: FakeTensorMode, name: str, tensor: Tensor, device: torch.devi
     meta = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="meta")
     fake = FakeTensor(mode, meta, tensor.device if device is None else device)
     if isinstance(tensor, nn.Parameter):
-        return nn.Parameter(fake, requires_grad=tensor.requires_grad)
+        parameter = nn.Parameter(fake, requires_grad=tensor.requires_grad)
+        vars(parameter).update(copy.copy(vars(tensor)))  # attributes set on the parameter, like no_decay flags
+        return parameter
     return fake
 
 

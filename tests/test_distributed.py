@@ -101,3 +101,26 @@ def test_distributed_checkpoint_round_trip_into_a_fresh_meta_built_model(tmp_pat
         assert rank["constraints"] == rank["saved_constraints"] == [{0: 3, 1: 16}, {}]
         assert torch.equal(rank["state"], torch.full((3, 16), 5.0))
         assert_equal_dicts(rank["virtual"], rank["reference_virtual"])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP in one process warns
+def test_resizing_load_planner_loads_shaped_data_with_other_free_sizes_also_nested(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+
+    from modattrs import ResizingLoadPlanner, ShapedTensor
+
+    saved = nn.Module()
+    ShapedTensor(saved, "cache", torch.arange(32.0).reshape(8, 4), {1: 4})
+    dcp.save({"model": saved.state_dict(), "step": torch.tensor(3)}, checkpoint_id=str(tmp_path))
+
+    fresh = nn.Module()
+    ShapedTensor(fresh, "cache", torch.zeros(1, 4), {1: 4})
+    state = {"model": fresh.state_dict(), "step": torch.tensor(0)}
+    with pytest.raises(dcp.api.CheckpointException) as refused:  # without the planner
+        dcp.load({"model": fresh.state_dict(), "step": torch.tensor(0)}, checkpoint_id=str(tmp_path))
+    assert "Size mismatch" in repr(refused.value)
+    dcp.load(state, checkpoint_id=str(tmp_path), planner=ResizingLoadPlanner())
+    fresh.load_state_dict(state["model"])
+    assert torch.equal(fresh.cache.value, torch.arange(32.0).reshape(8, 4))  # type: ignore[arg-type]
+    assert int(state["step"]) == 3

@@ -71,11 +71,31 @@ def test_tensors_created_inside_print_as_fake() -> None:
     assert "FakeTensor" in repr(layer.weight)
 
 
-def test_without_fake_cuda_cuda_is_refused_on_a_cpu_only_build() -> None:
+def test_without_fake_cuda_a_fresh_process_refuses_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    with fake_mode(), pytest.raises(RuntimeError, match=r"need modattrs\.fake\.fake_mode\(fake_cuda=True\)"):
-        nn.Linear(2, 2, device="cuda")
+    result = run_python(
+        """
+        import torch
+        from modattrs.fake import fake_mode
+        with fake_mode():
+            try:
+                torch.nn.Linear(2, 2, device="cuda")
+            except RuntimeError as error:
+                print(error)
+        """
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "need modattrs.fake.fake_mode(fake_cuda=True)" in result.stdout
+
+
+def test_cuda_devices_past_the_eighth_are_refused() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with fake_mode(fake_cuda=True), pytest.raises(ValueError, match="knows cuda:0 to cuda:7 only"):
+        torch.empty(2, device="cuda:8")
+    with pytest.raises(ValueError, match="knows cuda:0 to cuda:7 only"):
+        fake_copy(nn.Linear(2, 2), device="cuda:8")
 
 
 INITIALIZERS = {
@@ -107,14 +127,29 @@ def test_every_init_function_works_on_fake_tensors(name: str, device: str) -> No
     assert weight.shape == (4, 6)
 
 
-def test_trunc_normal_is_torchs_own_again_after_the_block() -> None:
-    original = nn.init._no_grad_trunc_normal_
-    with fake_mode(), fake_mode():
-        assert nn.init._no_grad_trunc_normal_ is not original
-    assert nn.init._no_grad_trunc_normal_ is original
+def test_trunc_normal_works_on_fakes_after_the_block_and_unchanged_on_real_tensors() -> None:
+    with fake_mode():
+        weight = torch.empty(4, 4)
+    nn.init.trunc_normal_(weight)  # e.g. re-initializing a fake twin with a model's own init function
+    nn.init.trunc_normal_(fake_copy(nn.Linear(4, 4)).weight)
     torch.manual_seed(0)
     values = nn.init.trunc_normal_(torch.zeros(1000), a=-1.0, b=1.0)
     assert bool((values.abs() <= 1.0).all())
+    assert values.std() > 0.3
+
+
+def test_small_tensors_made_from_python_values_keep_their_values_right() -> None:
+    with fake_mode():
+        parameter = nn.Parameter(torch.tensor(1.0))
+        nn.init.constant_(parameter, 0.5)
+        counter = torch.tensor(7)
+        counter.zero_()
+        for tensor in (parameter, counter):
+            try:  # torch knows the value of such small constants, or says it does not: never a stale one
+                value = tensor.item()
+            except Exception:
+                continue
+            assert value == (0.5 if tensor is parameter else 0)
 
 
 def test_layers_that_deep_copy_submodules_end_in_one_fake_mode() -> None:
@@ -203,6 +238,16 @@ def test_fake_copy_of_a_meta_model_needs_a_device() -> None:
     assert twin.rotary.inv_freq.value.device == torch.device("cuda:1")
 
 
+def test_fake_copy_fakes_plain_tensor_attributes_and_keeps_parameter_attributes() -> None:
+    model = nn.Linear(4, 4)
+    model.mask = torch.ones(1000, 1000)
+    model.weight.no_decay = True  # type: ignore[attr-defined]
+    twin = fake_copy(model)
+    assert is_fake(twin.mask)
+    assert twin.weight.no_decay  # type: ignore[attr-defined]
+    assert twin.to("cuda:1").weight.device == torch.device("cuda:1")  # a CPU twin moves to a spoofed device
+
+
 def test_fake_copy_inside_fake_mode_uses_that_mode() -> None:
     with fake_mode() as mode:
         twin = fake_copy(nn.Linear(2, 2))
@@ -212,11 +257,11 @@ def test_fake_copy_inside_fake_mode_uses_that_mode() -> None:
 # --- moving fake modules -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("inside", [True, False], ids=["inside", "outside"])
-def test_fake_modules_with_parameters_move(inside: bool) -> None:
+@pytest.mark.parametrize("where", ["inside", "outside", "in-another-mode"])
+def test_fake_modules_with_parameters_move(where: str) -> None:
     with fake_mode(fake_cuda=True) as mode:
         model = Rotary()
-    with mode if inside else torch.device("cpu"):
+    with mode if where == "inside" else fake_mode() if where == "in-another-mode" else torch.device("cpu"):
         model.to(torch.bfloat16)
         assert model.proj.weight.dtype == torch.bfloat16
         model.to("cuda:1")
@@ -307,6 +352,7 @@ def test_forward_and_backward_on_spoofed_cuda_give_fake_gradients() -> None:
             loss = attended[:, -1].sum() + hidden[0, 1:3].mean()
             loss.backward()
             grads = torch.autograd.grad(linear(hidden).sum(), [linear.weight])
+        loss = linear(hidden).sum()  # after the block, too
         modules = (embed, linear, norm, attention)
         for module in modules:
             for name, p in module.named_parameters():
@@ -318,6 +364,51 @@ def test_forward_and_backward_on_spoofed_cuda_give_fake_gradients() -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "ok"
+
+
+def test_spoofed_backward_edge_cases() -> None:
+    result = run_python(
+        """
+        import torch
+        from torch.utils.checkpoint import checkpoint
+        from modattrs.fake import fake_mode, is_fake
+
+        with fake_mode(fake_cuda=True), torch.device("cuda"):
+            linear = torch.nn.Linear(4, 4)
+            leaf = torch.nn.Parameter(torch.ones(()))
+            loss = linear(torch.ones(2, 4)).sum()
+            torch.autograd.backward([leaf, loss])  # a leaf among the outputs
+            print(is_fake(leaf.grad), is_fake(linear.weight.grad))
+            unused = torch.nn.Parameter(torch.ones(3))
+            grads = torch.autograd.grad(linear(torch.ones(1, 4)).sum(), [linear.bias, unused], materialize_grads=True)
+            print([tuple(g.shape) for g in grads])
+            try:
+                torch.autograd.grad(linear(torch.ones(1, 4)).sum(), [linear.bias], create_graph=True)
+            except NotImplementedError as error:
+                print("create_graph:", str(error)[:40])
+            on_cpu = linear(torch.ones(1, 4)).sum().cpu()
+            linear.weight.grad = None
+            on_cpu.backward()
+            print(is_fake(linear.weight.grad), linear.weight.grad.device)
+            hidden = torch.ones(1, 4, requires_grad=True)
+            try:
+                checkpoint(linear, hidden, use_reentrant=True).sum().backward()
+            except RuntimeError as error:
+                print("reentrant:", "use_reentrant=False" in str(error))
+            linear.weight.grad = None
+            checkpoint(linear, hidden, use_reentrant=False).sum().backward()
+            print(is_fake(linear.weight.grad))
+        """
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "True True",
+        "[(4,), (3,)]",
+        "create_graph: create_graph=True: gradients of gradient",
+        "True cuda:0",
+        "reentrant: True",
+        "True",
+    ]
 
 
 def test_backward_checks_what_torch_checks() -> None:

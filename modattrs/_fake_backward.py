@@ -1,0 +1,150 @@
+"""Backward passes over spoofed-CUDA fake tensors, on builds of torch without CUDA.
+
+torch's autograd engine asks for an accelerator as soon as a gradient is on a CUDA device, and a build without
+CUDA has none: ``backward()`` raises, fake tensors or not. The gradient of a fake graph has no values either,
+only metadata, and that is each leaf's own: so for such graphs ``torch.autograd.backward`` and
+``torch.autograd.grad`` are replaced by a walk of the graph that gives every leaf reached a fake gradient like
+itself. Hooks and custom ``backward`` functions do not run. Everything else goes to torch's own functions.
+
+The replacement is installed when spoofed CUDA is set up (``_cuda_guard.require``), in processes that ask for it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
+
+__all__: list[str] = []
+
+_original_backward = torch.autograd.backward
+_original_grad = torch.autograd.grad
+_lock = threading.Lock()
+_installed = False
+
+
+def install() -> None:
+    global _installed
+    with _lock:
+        if not _installed:
+            # Tensor.backward calls torch.autograd.backward, looked up at call time: one replacement covers both.
+            torch.autograd.backward = _backward  # type: ignore[assignment]
+            torch.autograd.grad = _grad  # type: ignore[assignment]
+            _installed = True
+
+
+def _backward(
+    tensors: Tensor | Sequence[Tensor],
+    grad_tensors: Tensor | Sequence[Tensor | None] | None = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    grad_variables: Any = None,
+    inputs: Tensor | Sequence[Tensor] | None = None,
+) -> None:
+    outputs = _as_list(tensors)
+    if not _spoofed(outputs):
+        _original_backward(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
+        return
+    _refuse_double_backward(create_graph)
+    leaves = _reachable_leaves(outputs, _as_list(grad_tensors) or [None] * len(outputs))
+    targets = leaves if inputs is None else _as_list(inputs)
+    for tensor in targets:
+        if tensor.grad is None and tensor.requires_grad:
+            with torch.no_grad():
+                tensor.grad = torch.zeros_like(tensor)
+
+
+def _grad(
+    outputs: Tensor | Sequence[Tensor],
+    inputs: Tensor | Sequence[Tensor],
+    grad_outputs: Tensor | Sequence[Tensor | None] | None = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    only_inputs: bool = True,
+    allow_unused: bool | None = None,
+    is_grads_batched: bool = False,
+    materialize_grads: bool = False,
+) -> tuple[Tensor | None, ...]:
+    output_list = _as_list(outputs)
+    if not _spoofed(output_list):
+        return _original_grad(
+            outputs, inputs, grad_outputs, retain_graph, create_graph, only_inputs, allow_unused,
+            is_grads_batched, materialize_grads,
+        )  # fmt: skip
+    _refuse_double_backward(create_graph)
+    reached = {id(leaf) for leaf in _reachable_leaves(output_list, _as_list(grad_outputs) or [None] * len(output_list))}
+    grads: list[Tensor | None] = []
+    for tensor in _as_list(inputs):
+        used = id(tensor) in reached or tensor.grad_fn is not None
+        if used or materialize_grads:
+            with torch.no_grad():
+                grads.append(torch.zeros_like(tensor))
+        elif allow_unused:
+            grads.append(None)
+        else:
+            raise RuntimeError(
+                "One of the differentiated Tensors appears to not have been used in the graph. "
+                "Set allow_unused=True if this is the desired behavior."
+            )
+    return tuple(grads)
+
+
+def _as_list(tensors: Any) -> list[Any]:
+    if tensors is None:
+        return []
+    return [tensors] if isinstance(tensors, Tensor) else list(tensors)
+
+
+def _spoofed(outputs: list[Any]) -> bool:
+    """Whether the graph from ``outputs`` involves spoofed-CUDA fakes (the outputs, or the leaves they reach)."""
+    fakes: list[Tensor] = [t for t in outputs if isinstance(t, FakeTensor)]
+    if not fakes:
+        return False
+    if any(t.device.type == "cuda" for t in fakes):
+        return True
+    leaves = _reachable_leaves(fakes, [torch.ones(())] * len(fakes))  # a fake CPU output of a CUDA graph (.cpu())
+    return any(isinstance(t, FakeTensor) and t.device.type == "cuda" for t in leaves)
+
+
+def _refuse_double_backward(create_graph: bool) -> None:
+    if create_graph:
+        raise NotImplementedError(
+            "create_graph=True: gradients of gradients cannot be simulated for spoofed CUDA on a build of torch "
+            "without CUDA; use fake CPU tensors, or a CUDA build of torch"
+        )
+
+
+def _reachable_leaves(outputs: list[Tensor], gradients: list[Any]) -> list[Tensor]:
+    """The leaves whose gradients a backward pass from ``outputs`` would accumulate; checks what torch checks."""
+    nodes = []
+    leaves: list[Tensor] = []
+    for index, (output, gradient) in enumerate(zip(outputs, gradients, strict=False)):
+        if output.grad_fn is None and not output.requires_grad:
+            raise RuntimeError(f"element {index} of tensors does not require grad and does not have a grad_fn")
+        if gradient is None and output.numel() != 1:
+            raise RuntimeError("grad can be implicitly created only for scalar outputs")
+        if output.grad_fn is None:
+            leaves.append(output)
+        else:
+            nodes.append(output.grad_fn)
+    seen: set[int] = set()
+    while nodes:
+        node = nodes.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            raise RuntimeError(
+                "a backward pass through torch.utils.checkpoint with use_reentrant=True cannot be simulated for "
+                "spoofed CUDA (its parameters are not in the graph until backward runs the forward again); pass "
+                "use_reentrant=False"
+            )
+        variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
+        if isinstance(variable, Tensor):
+            leaves.append(variable)
+        nodes.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return leaves
