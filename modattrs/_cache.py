@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,8 +59,7 @@ class Entry:
 
     The reference buffer object stands for the device, and for the dtype of attributes that follow the module
     (conversions replace it); it is held strongly: it has no elements, and holding it keeps its id from being
-    reused. The dtype is kept too, for fixed dtypes and ``dtype_from``. Dependencies are held weakly (tensors) or
-    by value (anything else).
+    reused. The dtype is kept too, for fixed dtypes and ``dtype_from``. See :func:`snapshot_of` for dependencies.
     """
 
     __slots__ = ("dependencies", "dtype", "grad", "inference", "mode", "plain", "ref", "value")
@@ -82,12 +80,25 @@ class Entry:
 
     def unchanged(self, owner: nn.Module) -> bool:
         """Whether the dependencies are as they were."""
-        for table, name, saved, version in self.dependencies:
-            current = table.get(name, _MISSING)
-            if isinstance(saved, weakref.ref):
-                if saved() is not current or current._version != version:  # type: ignore[union-attr]
+        current: Any
+        for table, name, saved, address, version, requires_grad in self.dependencies:
+            # (_table, inlined: this runs on every cache hit.)
+            if table == _BUFFERS:
+                current = owner._buffers.get(name, _MISSING)
+            elif table == _PARAMETERS:
+                current = owner._parameters.get(name, _MISSING)
+            else:
+                current = (owner._modules if table == _MODULES else owner.__dict__).get(name, _MISSING)
+            if address is None:  # not a tensor: compared by identity, then equality
+                if current is not saved and not _equal(current, saved):
                     return False
-            elif current is not saved and not _equal(current, saved):
+                continue
+            if (
+                current is not saved
+                or current._cdata != address
+                or current.requires_grad is not requires_grad
+                or (version >= 0 and current._version != version)
+            ):
                 return False
         return True
 
@@ -110,7 +121,7 @@ class Cache:
     def __init__(self, depends_on: tuple[str, ...]) -> None:
         self.depends_on = depends_on
         self.entry: Entry | None = None
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # reentrant: a materializer may read other attributes, or invalidate
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Cache, (self.depends_on,))  # copies and pickles start empty
@@ -123,24 +134,44 @@ class Cache:
         return snapshot_of(owner, self.depends_on)
 
 
-Dependency = tuple[dict[str, Any], str, Any, int]
+#: (which dictionary of the owner, name, value, TensorImpl address, version, requires_grad); the last three are
+#: None for a dependency that is not a tensor.
+Dependency = tuple[int, str, Any, Any, Any, Any]
+
+_PARAMETERS, _BUFFERS, _MODULES, _ATTRIBUTES = range(4)
+
+
+def _table(owner: nn.Module, table: int) -> dict[str, Any]:
+    # Looked up through the owner at each check: an entry holding the owner's dictionaries would be a cycle.
+    if table == _PARAMETERS:
+        return owner._parameters
+    if table == _BUFFERS:
+        return owner._buffers
+    return owner._modules if table == _MODULES else owner.__dict__
 
 
 def snapshot_of(owner: nn.Module, names: tuple[str, ...]) -> list[Dependency]:
-    """The dependencies' current state: the dictionary of the owner that holds each (its parameters, buffers,
-    submodules or plain attributes: read directly, as ``getattr`` on a module is slow), and the value, held weakly
-    with its version counter for a tensor."""
+    """The dependencies' current state: which of the owner's dictionaries holds each (read directly: ``getattr``
+    on a module is slow), and its value. A tensor is held with its TensorImpl's address, version counter and
+    ``requires_grad``: ``torch.utils.swap_tensors`` keeps the Python object and changes the TensorImpl. It is held
+    strongly, as any weak reference, Python's or the TensorImpl's, makes ``swap_tensors`` refuse it, and an id
+    alone could be reused; so a replaced dependency stays alive until the next read or ``invalidate()``."""
     snapshot: list[Dependency] = []
     for name in names:
-        table: dict[str, Any] = owner.__dict__
-        for candidate in (owner._parameters, owner._buffers, owner._modules):
-            if name in candidate:
-                table = candidate
-        current = table.get(name, _MISSING)
+        table = next((i for i in (_PARAMETERS, _BUFFERS, _MODULES) if name in _table(owner, i)), _ATTRIBUTES)
+        current = _table(owner, table).get(name, _MISSING)
+        if current is _MISSING:
+            raise AttributeError(
+                f"{name!r}, which a VirtualTensor depends on, is no longer a parameter, buffer, submodule or "
+                f"instance attribute of {type(owner).__name__} (was it parametrized or deleted?)"
+            )
         if isinstance(current, Tensor):
-            snapshot.append((table, name, weakref.ref(current), current._version))
+            # Inference tensors have no version counter (and can be modified in place only in inference mode):
+            # for them, identity and requires_grad only.
+            version = -1 if current.is_inference() else current._version
+            snapshot.append((table, name, current, current._cdata, version, current.requires_grad))
         else:
-            snapshot.append((table, name, current, 0))
+            snapshot.append((table, name, current, None, None, None))
     return snapshot
 
 

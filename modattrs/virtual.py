@@ -132,9 +132,22 @@ class VirtualTensor(OwnedAttribute):
         *,
         follow_dtype: bool | None = None,
         dtype_from: str | None = None,
+        cache: bool = False,
+        depends_on: Sequence[str] = (),
     ) -> VirtualTensor:
         """Create a :class:`VirtualTensor` on ``owner`` and return it; the same as calling the class."""
-        return cls(owner, name, materializer, dtype, device, persist, follow_dtype=follow_dtype, dtype_from=dtype_from)
+        return cls(
+            owner,
+            name,
+            materializer,
+            dtype,
+            device,
+            persist,
+            follow_dtype=follow_dtype,
+            dtype_from=dtype_from,
+            cache=cache,
+            depends_on=depends_on,
+        )
 
     @property
     def attributes(self) -> VirtualTensorAttributes:

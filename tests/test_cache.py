@@ -343,3 +343,82 @@ def test_a_value_computed_with_grad_enabled_and_without_a_graph_serves_every_mod
         assert m.table.value is value
     with torch.inference_mode():
         assert m.table.value is value
+
+
+# --- found in review ------------------------------------------------------------------------------------------------
+
+
+def test_a_dependency_starting_to_require_grad_invalidates() -> None:
+    m = Counted(depends_on=("weight",))
+    m.weight.requires_grad_(False)
+    first = m.table.value
+    m.weight.requires_grad_(True)
+    assert m.table.value is not first
+
+
+def test_cached_dependencies_do_not_stop_swap_tensors() -> None:
+    m = Counted()
+    m.table.value
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        m.double()  # swap_tensors refuses tensors with Python weak references
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    assert m.table.value.dtype == torch.float64
+
+
+def test_inference_tensors_can_be_dependencies() -> None:
+    with torch.inference_mode():
+        m = Counted()
+        first = m.table.value
+        assert m.table.value is first
+    m.scale = 3.0
+    with torch.inference_mode():
+        assert m.table.value is not first
+
+
+def test_a_cached_module_is_freed_without_the_garbage_collector() -> None:
+    gc.collect()
+    gc.disable()
+    try:
+        m = Counted()
+        m.table.value
+        alive = weakref.ref(m)
+        weight = weakref.ref(m.weight)
+        del m
+        assert alive() is None
+        assert weight() is None
+    finally:
+        gc.enable()
+
+
+def test_a_dependency_that_disappears_is_reported() -> None:
+    m = Counted(depends_on=("weight",))
+    m.table.value
+    torch.nn.utils.parametrize.register_parametrization(m, "weight", nn.Identity())
+    with pytest.raises(AttributeError, match="'weight', which a VirtualTensor depends on, is no longer"):
+        m.table.value
+
+
+def test_a_materializer_may_invalidate_or_read_other_attributes() -> None:
+    class Chained(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            VirtualTensor(self, "base", lambda m, dtype, device: torch.ones(2, dtype=dtype, device=device), cache=True)
+            VirtualTensor(self, "twice", "make_twice", cache=True)
+
+        def make_twice(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+            self.twice.invalidate()  # reentrant lock: no deadlock
+            return 2 * self.base.value
+
+    chained = Chained()
+    assert torch.equal(chained.twice.value, torch.full((2,), 2.0))
+
+
+def test_create_takes_cache_and_depends_on() -> None:
+    m = nn.Module()
+    m.size = 2
+    vt = VirtualTensor.create(m, "x", lambda o, d, v: torch.ones(o.size), cache=True, depends_on=("size",))
+    assert vt.cached
+    assert vt.depends_on == ("size",)
