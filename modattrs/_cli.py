@@ -64,8 +64,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         arguments = _parser().parse_args(argv)
         target, kwargs = arguments.target, arguments.kwargs
-        if "=" in target and ":" not in target:  # no target, only keyword arguments for the default model
+        if _is_keyword(target):  # no target, only keyword arguments for the default model
             target, kwargs = DEFAULT_TARGET, [target, *kwargs]
+        if arguments.depth < 0:
+            raise UsageError(f"--depth must be 0 or more, got {arguments.depth}")
         report = inspect(target, kwargs, arguments.device, arguments.dtype)
     except UsageError as error:
         print(f"modattrs inspect: error: {error}", file=sys.stderr)
@@ -75,6 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(_as_text(report, arguments.depth))
     return 0
+
+
+def _is_keyword(argument: str) -> bool:
+    key = argument.partition("=")[0]
+    return "=" in argument and key.isidentifier()
 
 
 def _parser() -> _Parser:
@@ -107,23 +114,38 @@ def inspect(target: str, kwargs: Sequence[str], device_name: str, dtype_name: st
     device = _device(device_name)
     dtype = _dtype(dtype_name)
 
+    spoof_cuda = device.type == "cuda" and not torch.cuda.is_available()
+    if spoof_cuda:
+        from modattrs import _cuda_guard
+
+        try:
+            _cuda_guard.require()
+        except RuntimeError as error:
+            raise UsageError(f"--device {device_name}: {error}") from None
+    try:
+        return _build_and_measure(target, factory, keywords, device, dtype, spoof_cuda)
+    except UsageError:
+        raise
+    except (Exception, SystemExit) as error:  # whatever the target's code raises: one line, no traceback
+        raise UsageError(f"{target}({_show(keywords)}) failed: {type(error).__name__}: {error}") from None
+
+
+def _build_and_measure(
+    target: str, factory: Any, keywords: dict[str, Any], device: torch.device, dtype: torch.dtype, spoof_cuda: bool
+) -> Report:
     from modattrs.fake import fake_mode  # fake-mode machinery is set up on first use, not at import
 
-    spoof_cuda = device.type == "cuda" and not torch.cuda.is_available()
     with fake_mode(fake_cuda=spoof_cuda), torch.device(device):
         torch.empty(0)  # first use of the mode (and of the CUDA guard) before measuring
         before = _peak_mib()
         start = time.perf_counter()
-        try:
-            model = factory(**keywords)
-        except Exception as error:
-            raise UsageError(f"{target}({_show(keywords)}) raised {type(error).__name__}: {error}") from None
+        model = factory(**keywords)
         if not isinstance(model, nn.Module):
             raise UsageError(f"{target} returned {type(model).__name__}, not an nn.Module")
         model.to(dtype)
         seconds = time.perf_counter() - start
-    report = Report(target, str(device), str(dtype).removeprefix("torch."), seconds, _peak_mib() - before)
-    _measure(model, report)
+        report = Report(target, str(device), str(dtype).removeprefix("torch."), seconds, _peak_mib() - before)
+        _measure(model, report)
     return report
 
 
@@ -153,7 +175,7 @@ def _keywords(pairs: Sequence[str]) -> dict[str, Any]:
             raise UsageError(f"expected key=value, got {pair!r}")
         try:
             keywords[key] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             raise UsageError(
                 f"the value of {key} is not a Python literal: {text!r} (quote strings: {key}='...')"
             ) from None
@@ -167,6 +189,8 @@ def _device(name: str) -> torch.device:
         raise UsageError(f"unknown device {name!r}; use cpu, cuda, cuda:N, meta, ...") from None
     if device.type not in ("cpu", "cuda", "meta"):
         raise UsageError(f"device {name!r} is not supported here; use cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available() and (device.index or 0) >= 8:
+        raise UsageError(f"device {name!r}: spoofed CUDA has cuda:0 to cuda:7")
     return device
 
 
@@ -174,6 +198,8 @@ def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise UsageError(f"unknown floating-point dtype {name!r}; use float32, bfloat16, float16, ...")
+    if dtype.itemsize == 0 or "_x" in name:  # sub-byte packed dtypes: bytes would be counted unpacked
+        raise UsageError(f"dtype {name!r} is packed; use float32, bfloat16, float16, float8_e4m3fn, ...")
     return dtype
 
 
@@ -251,7 +277,7 @@ def _as_json(report: Report) -> dict[str, Any]:
 def _as_text(report: Report, depth: int) -> str:
     lines = [
         f"{report.target} on {report.device} as {report.dtype} (fake: nothing was allocated)",
-        f"built in {report.seconds:.2f} s, using {report.memory_mib:.1f} MiB of memory",
+        f"built in {report.seconds:.2f} s, peak memory up by {report.memory_mib:.1f} MiB",
         "",
         f"{'module':<40} {'type':<16} {'parameters':>16} {'bytes':>12}",
     ]
@@ -315,4 +341,6 @@ def _show(keywords: dict[str, Any]) -> str:
 
 
 def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """The process's peak resident memory in MiB (ru_maxrss is in KiB on Linux, in bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024

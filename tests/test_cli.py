@@ -47,6 +47,7 @@ def test_text_output_shows_the_tree_totals_and_attributes(capsys: pytest.Capture
     assert main(["inspect", *SMALL, "--dtype", "float16", "--depth", "3"]) == 0
     out = capsys.readouterr().out
     assert "modattrs._default_model:Decoder on cpu as float16 (fake: nothing was allocated)" in out
+    assert "peak memory up by" in out
     assert "    0-1  " in out  # layers.0 and layers.1 are the same: one line
     assert "      attention " in out  # depth 3
     for line in ("total: ", "  device cpu ", "  dtype float16 ", "layers.0-1.attention.rotary.cos      VirtualTensor"):
@@ -85,7 +86,12 @@ def test_a_transformers_model_through_a_small_factory(capsys: pytest.CaptureFixt
         (["cli_targets:missing"], "module 'cli_targets' has no attribute 'missing'"),
         (["cli_targets:NOT_CALLABLE"], "cli_targets:NOT_CALLABLE is a int, not callable"),
         (["cli_targets:not_a_module"], "cli_targets:not_a_module returned str, not an nn.Module"),
-        (["cli_targets:failing", "layers=0"], "cli_targets:failing(layers=0) raised ValueError: layers must be"),
+        (["cli_targets:failing", "layers=0"], "cli_targets:failing(layers=0) failed: ValueError: layers must be"),
+        (["cli_targets:exiting"], "cli_targets:exiting() failed: SystemExit: 0"),
+        (["cli_targets:llama", "a={[]: 1}"], "the value of a is not a Python literal"),
+        (["s='x:y'", "--depth", "0"], "modattrs._default_model:Decoder(s='x:y') failed: TypeError"),
+        (["--depth", "-1"], "--depth must be 0 or more, got -1"),
+        (["--device", "cuda:8"], "spoofed CUDA has cuda:0 to cuda:7"),
         (["cli_targets:llama", "hidden_size=big"], "the value of hidden_size is not a Python literal: 'big'"),
         (["cli_targets:llama", "4096"], "expected key=value, got '4096'"),
         (["--device", "gpu"], "unknown device 'gpu'"),
@@ -105,6 +111,20 @@ def test_errors_print_one_line_and_exit_non_zero(
     assert captured.err.count("\n") == 1
     assert captured.err.startswith("modattrs inspect: error: ")
     assert message in captured.err
+
+
+def test_without_a_compiler_spoofed_cuda_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from modattrs import _cuda_guard
+
+    monkeypatch.setattr(_cuda_guard, "_ready", False)
+    monkeypatch.setattr(_cuda_guard, "_failure", "RuntimeError: Error building extension")
+    monkeypatch.setattr(_cuda_guard, "cuda_built", lambda: False)
+    assert main(["inspect", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("modattrs inspect: error: --device cuda: fake CUDA needs a device guard")
 
 
 def test_python_dash_m_runs_the_command_and_reports_errors_without_a_traceback() -> None:
