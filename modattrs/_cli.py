@@ -7,7 +7,6 @@ import ast
 import importlib
 import json
 import re
-import resource
 import sys
 import time
 from collections.abc import Sequence
@@ -341,6 +340,11 @@ def _show(keywords: dict[str, Any]) -> str:
 
 
 def _peak_mib() -> float:
-    """The process's peak resident memory in MiB (ru_maxrss is in KiB on Linux, in bytes on macOS)."""
+    """The process's peak resident memory in MiB (ru_maxrss is in KiB on Linux, in bytes on macOS); 0 on Windows,
+    which has no resource module."""
+    try:
+        import resource
+    except ImportError:
+        return 0.0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
