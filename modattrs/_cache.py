@@ -116,22 +116,18 @@ class Entry:
 class Cache:
     """The lasting cache of one attribute: one entry at most, and a lock so that concurrent readers compute once."""
 
-    __slots__ = ("depends_on", "entry", "lock")
+    __slots__ = ("entry", "lock")
 
-    def __init__(self, depends_on: tuple[str, ...]) -> None:
-        self.depends_on = depends_on
+    def __init__(self) -> None:
         self.entry: Entry | None = None
         self.lock = threading.RLock()  # reentrant: a materializer may read other attributes, or invalidate
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Cache, (self.depends_on,))  # copies and pickles start empty
+        return (Cache, ())  # copies and pickles start empty
 
     def clear(self) -> None:
         with self.lock:
             self.entry = None
-
-    def snapshot(self, owner: nn.Module) -> list[Dependency]:
-        return snapshot_of(owner, self.depends_on)
 
 
 #: (which dictionary of the owner, name, value, TensorImpl address, version, requires_grad); the last three are

@@ -114,7 +114,7 @@ class VirtualTensor(OwnedAttribute):
         self._dtype = None if follows else value_dtype
         self._dtype_from = dtype_from
         self._depends_on = depends_on
-        self._cache = Cache(depends_on) if cache else None
+        self._cache = Cache() if cache else None
         self._ref_name = ref_name
         take_over(owner, name)
         owner.register_buffer(ref_name, ref, persistent=bool(persist))
@@ -206,6 +206,8 @@ class VirtualTensor(OwnedAttribute):
             entry = scope.get(id(self))
             if entry is not None and entry.current(owner, ref, dtype, mode):
                 return entry.value
+        # Taken before computing: a dependency changed meanwhile makes the entry stale, never wrongly current.
+        snapshot = snapshot_of(owner, self._depends_on)
         if self._cache is None:
             value = self._compute_in(enter, owner, ref)
         else:
@@ -213,12 +215,11 @@ class VirtualTensor(OwnedAttribute):
                 entry = self._cache.entry
                 if entry is not None and entry.current(owner, ref, dtype, mode):
                     return entry.value
-                snapshot = self._cache.snapshot(owner)
                 value = self._compute_in(enter, owner, ref)
                 # A value with an autograd graph is never kept: backward frees the graph.
                 self._cache.entry = None if keeps_graph(value) else Entry(ref, dtype, mode, snapshot, value)
         if scope is not None:
-            scope[id(self)] = Entry(ref, dtype, mode, snapshot_of(owner, self._depends_on), value)
+            scope[id(self)] = Entry(ref, dtype, mode, snapshot, value)
         return value
 
     def _compute_in(self, mode: FakeTensorMode | None, owner: nn.Module, ref: Tensor) -> Tensor:
