@@ -195,8 +195,10 @@ class VirtualTensor(OwnedAttribute):
         own_mode = ref.fake_mode if isinstance(ref, FakeTensor) else None
         if torch._C._len_torch_dispatch_stack():
             mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
-            if mode is None or (own_mode is not None and mode is not own_mode):
-                return self._compute(owner, ref)  # another dispatch mode (export, a counter): it drives, no caching
+            if mode is None:  # another dispatch mode (export, a counter) drives: no caching
+                return self._compute_in(own_mode, owner, ref)
+            if own_mode is not None and mode is not own_mode:
+                return self._compute(owner, ref)  # another fake mode: torch refuses to mix, and says so
             enter = None
         else:
             mode = enter = own_mode  # a fake reference read outside its mode: in its mode, as the same state

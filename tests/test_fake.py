@@ -513,3 +513,13 @@ def test_models_too_big_for_this_machine_build_fake_on_spoofed_cuda(
     if expected is not None:
         assert int(parameters) == expected
     assert float(grown) <= 50.0
+
+
+def test_a_fake_value_under_another_dispatch_mode_is_still_fake() -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with fake_mode():
+        model = Rotary()
+    with FlopCounterMode(display=False):
+        value = model.inv_freq.value
+    assert is_fake(value)
