@@ -28,14 +28,13 @@ __all__: list[str] = []
 class OwnedAttribute:
     """Base of the attributes that a module owns through its ``__dict__``."""
 
-    __slots__ = ("__weakref__", "_finalizer", "_hook_ids", "_name", "_owner_ref")
+    __slots__ = ("__weakref__", "_hook_ids", "_name", "_owner_ref")
 
     #: Suffixes of the names this kind of attribute registers on its owner, e.g. ``("ref",)``.
     _suffixes: ClassVar[tuple[str, ...]] = ()
 
     _owner_ref: weakref.ref[nn.Module]
     _name: str
-    _finalizer: weakref.finalize[Any, Any] | None
     _hook_ids: tuple[int, int, int]
 
     @classmethod
@@ -108,7 +107,7 @@ class OwnedAttribute:
         """Finish a copy bound to ``owner``, which may still be empty (being unpickled): do not read its state."""
 
 
-_BINDING = frozenset({"__weakref__", "_owner_ref", "_finalizer"})
+_BINDING = frozenset({"__weakref__", "_owner_ref"})
 
 
 class _Nothing:
@@ -124,7 +123,7 @@ def _rebuild(cls: type[OwnedAttribute], owner: nn.Module, fields: dict[str, Any]
         setattr(attribute, slot, value)
     attribute._owner_ref = weakref.ref(owner)
     attribute._rebind(owner)
-    attribute._finalizer = arm_finalizer(attribute)
+    arm_finalizer(attribute)
     return attribute
 
 
@@ -216,13 +215,13 @@ def bind(attribute: OwnedAttribute, owner: nn.Module) -> None:
     Call this only after the derived names were registered: from here on, the attribute's death removes them.
     """
     attribute._hook_ids = register_hooks(owner, attribute._name, type(attribute)._derived(attribute._name))
-    attribute._finalizer = arm_finalizer(attribute)
+    arm_finalizer(attribute)
     setattr(owner, attribute._name, attribute)
 
 
-def arm_finalizer(attribute: OwnedAttribute) -> weakref.finalize[Any, Any]:
+def arm_finalizer(attribute: OwnedAttribute) -> None:
     # The callback and its arguments must not reference the owner strongly: the registry is global, so a
-    # strong reference there would keep the module alive forever.
+    # strong reference there would keep the module alive forever. The registry also keeps the finalizer alive.
     finalizer = weakref.finalize(
         attribute,
         _release,
@@ -232,7 +231,6 @@ def arm_finalizer(attribute: OwnedAttribute) -> weakref.finalize[Any, Any]:
         attribute._hook_ids,
     )
     finalizer.atexit = False
-    return finalizer
 
 
 def _release(
