@@ -143,6 +143,8 @@ def install_process_hooks() -> None:
       does so: that one warning is silenced.
     """
     global _installed
+    if _installed:  # every fake_mode() entry comes here: no lock once done
+        return
     with _install_lock:
         if _installed:
             return
