@@ -203,14 +203,7 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _measure(model: nn.Module, report: Report) -> None:
-    tensors_of: dict[str, list[torch.Tensor]] = {}
-    for name, module in model.named_modules():
-        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        tensors_of[name] = own
-        for attribute in list(module.__dict__.values()):
-            if isinstance(attribute, (VirtualTensor, ShapedTensor)):
-                report.attributes.append(_describe(name, attribute))
-    counted: set[int] = set()
+    counted: set[int] = set()  # a tensor both a parameter and a buffer somewhere counts once
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) in counted:
             continue
@@ -228,6 +221,9 @@ def _measure(model: nn.Module, report: Report) -> None:
         size = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
         depth = 0 if not name else name.count(".") + 1
         report.modules.append(Row(name, type(module).__name__, depth, parameters, size))
+        for attribute in list(module.__dict__.values()):
+            if isinstance(attribute, (VirtualTensor, ShapedTensor)):
+                report.attributes.append(_describe(name, attribute))
 
 
 def _describe(module_name: str, attribute: VirtualTensor | ShapedTensor) -> dict[str, Any]:
