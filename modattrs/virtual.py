@@ -308,7 +308,7 @@ class VirtualTensor(OwnedAttribute):
     @follow_dtype.setter
     def follow_dtype(self, follow: bool) -> None:
         owner = self._live_owner()
-        ref = self._reference()
+        ref = self._reference(owner)
         self._refuse_dtype_change()
         if follow and self._dtype is not None:
             if not _can_follow(self._dtype):
@@ -330,7 +330,7 @@ class VirtualTensor(OwnedAttribute):
     @persist.setter
     def persist(self, persist: bool) -> None:
         owner = self._live_owner()
-        self._reference()
+        self._reference(owner)  # raises if it is gone
         if persist:
             owner._non_persistent_buffers_set.discard(self._ref_name)
         else:
@@ -342,7 +342,7 @@ class VirtualTensor(OwnedAttribute):
         ``non_blocking``, ``copy`` and ``memory_format`` are accepted and have no effect: there is no data to move.
         """
         owner = self._live_owner()
-        ref = self._reference()
+        ref = self._reference(owner)
         kwargs.pop("copy", None)
         try:
             device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
@@ -427,8 +427,9 @@ class VirtualTensor(OwnedAttribute):
     def __repr__(self) -> str:
         return f"VirtualTensor(name={self._name!r}, materializer={self._materializer_name()}, {self._where()})"
 
-    def _reference(self) -> Tensor:
-        ref = self._live_owner()._buffers.get(self._ref_name)
+    def _reference(self, owner: nn.Module | None = None) -> Tensor:
+        """The reference buffer, of ``owner`` when the caller has looked it up already."""
+        ref = (self._live_owner() if owner is None else owner)._buffers.get(self._ref_name)
         if ref is None:
             raise self._reference_gone()
         return ref
