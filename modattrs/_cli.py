@@ -6,6 +6,7 @@ import argparse
 import ast
 import importlib
 import json
+import os
 import re
 import sys
 import time
@@ -71,10 +72,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         print(f"modattrs inspect: error: {error}", file=sys.stderr)
         return 2
-    if arguments.format == "json":
-        print(json.dumps(_as_json(report), indent=2))
-    else:
-        print(_as_text(report, arguments.depth))
+    output = json.dumps(_as_json(report), indent=2) if arguments.format == "json" else _as_text(report, arguments.depth)
+    try:
+        print(output)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `... | head`: the reader left; say nothing more (the way the Python docs advise)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 0
 
 

@@ -154,3 +154,10 @@ def test_the_default_model_runs_a_prompt_and_a_decoding_step_with_its_kv_cache()
         model(tokens[:, :5])
         step = model(tokens[:, 5:], start=5)
     torch.testing.assert_close(step[:, 0], full[:, 5], rtol=1e-4, atol=1e-4)
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    command = f"{sys.executable} -m modattrs inspect {' '.join(SMALL)} | head -1"
+    result = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=120, check=False)
+    assert result.stdout.startswith("modattrs._default_model:Decoder on cpu")
+    assert "Traceback" not in result.stderr
