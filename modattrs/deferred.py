@@ -20,6 +20,7 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from modattrs._fake_tensors import ModattrsFakeTensorMode, install_process_hooks
 from modattrs._recording import DeferredInitError, Record, RecordingFakeTensorMode, replay
@@ -53,10 +54,13 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
     """
     install_process_hooks()
     _register_builtin_opaque_inits()
-    record = Record(cpu_rng_state=torch.get_rng_state())
+    with _disable_current_modes():  # inside fake_mode too, the generator's state is a real tensor
+        record = Record(cpu_rng_state=torch.get_rng_state())
     with RecordingFakeTensorMode(record):
         module = module_fn(*args, **kwargs)
-    if not torch.equal(torch.get_rng_state(), record.cpu_rng_state):
+    with _disable_current_modes():
+        generator_moved = not torch.equal(torch.get_rng_state(), record.cpu_rng_state)
+    if generator_moved:
         raise DeferredInitError(
             f"{_name_of(module_fn)} changed the default CPU generator while deferred_init recorded it "
             "(torch.manual_seed, or random numbers drawn into real tensors), so a replay could not draw what eager "
@@ -341,4 +345,4 @@ def _device(device: torch.device | str | int | None) -> torch.device | None:
 
 
 def _name_of(obj: object) -> str:
-    return getattr(obj, "__qualname__", None) or type(obj).__name__
+    return getattr(obj, "__name__", None) or type(obj).__name__

@@ -1,0 +1,96 @@
+"""Modules for the deferred initialization tests: each does one thing eager construction must reproduce."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor, nn
+
+from modattrs import ShapedTensor, VirtualTensor
+
+
+class RotaryInvFreq(nn.Module):
+    """RoPE tables computed in ``__init__`` from arange, pow, outer and cat."""
+
+    def __init__(self, dim: int = 16, positions: int = 32) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (10_000 ** (torch.arange(0, dim, 2).float() / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        freqs = torch.outer(torch.arange(positions).float(), inv_freq)
+        self.register_buffer("cos", torch.cat([freqs, freqs], dim=-1).cos())
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8, padding_idx=0)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+
+class DataAssignedAndViews(nn.Module):
+    """``.data =``, ``.data.normal_()``, and in-place initialization through views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 6)
+        self.linear.weight.data = torch.randn(6, 4) * 0.1
+        self.linear.bias.data.normal_()
+        with torch.no_grad():
+            self.linear.weight[0].fill_(3.0)
+            self.linear.weight[:, 1].uniform_()
+        packed = torch.empty(6, 4)
+        self.q = nn.Parameter(packed[:3])
+        self.k = nn.Parameter(packed[3:])
+        nn.init.normal_(packed)
+
+
+class DeepCopied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.Linear(5, 5)
+        self.layers = nn.ModuleList(copy.deepcopy(layer) for _ in range(3))
+        nn.init.xavier_uniform_(self.layers[1].weight)
+
+
+class TruncatedAndOrthogonal(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+        nn.init.trunc_normal_(self.a.weight, std=0.5, a=-0.6, b=0.6)
+        nn.init.orthogonal_(self.b.weight)
+
+
+class OwnGenerator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(1234)
+        self.weight = nn.Parameter(torch.randn(4, 4, generator=generator))
+        self.other = nn.Parameter(torch.rand(3))
+
+
+class WithAttributes(nn.Module):
+    """A module with modattrs attributes: a cached virtual value computed from a parameter, and a shaped buffer."""
+
+    norm: VirtualTensor
+    state: ShapedTensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4))
+        VirtualTensor(self, "norm", "compute_norm", cache=True, depends_on=["scale"])
+        ShapedTensor(self, "state", torch.randn(2, 4), {1: 4}, live=True)
+
+    def compute_norm(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return self.scale.to(dtype).square().sum().sqrt()
+
+
+class Stack(nn.Module):
+    """A few big layers, for partial materialization and memory."""
+
+    def __init__(self, layers: int = 4, width: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.register_buffer("steps", torch.zeros(()))

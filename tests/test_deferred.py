@@ -1,0 +1,520 @@
+"""modattrs.deferred: modules recorded on fake tensors and materialized with eager construction's exact values."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import modattrs.deferred
+from modattrs.deferred import (
+    DeferredInitError,
+    deferred_init,
+    is_deferred,
+    materialize_module,
+    materialize_tensor,
+    register_opaque_init,
+)
+from modattrs.fake import fake_mode, is_fake
+from tests.deferred_models import (
+    DataAssignedAndViews,
+    DeepCopied,
+    OwnGenerator,
+    RotaryInvFreq,
+    Stack,
+    Tied,
+    TruncatedAndOrthogonal,
+    WithAttributes,
+)
+
+
+def tiny_llama(tied: bool) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
+    return LlamaForCausalLM(config)
+
+
+def tensors_of(module: nn.Module) -> dict[str, Tensor]:
+    """Every parameter and buffer under every name it has, non-persistent buffers included."""
+    named = dict(module.named_parameters(remove_duplicate=False))
+    named.update(module.named_buffers(remove_duplicate=False))
+    return named
+
+
+def bits(tensor: Tensor) -> Tensor:
+    return tensor.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def assert_same_bits(expected: Tensor, got: Tensor, name: str = "") -> None:
+    assert not is_fake(got), name
+    assert (got.shape, got.stride(), got.dtype, got.device) == (
+        expected.shape,
+        expected.stride(),
+        expected.dtype,
+        expected.device,
+    ), name
+    assert torch.equal(bits(expected), bits(got)), f"{name} differs from eager construction"
+
+
+def assert_bit_identical(eager: nn.Module, materialized: nn.Module) -> None:
+    expected, got = tensors_of(eager), tensors_of(materialized)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert_same_bits(expected[name], got[name], name)
+        assert type(got[name]) is type(expected[name]), name
+        assert got[name].requires_grad == expected[name].requires_grad, name
+    assert aliasing(eager) == aliasing(materialized)
+
+
+def aliasing(module: nn.Module) -> list[set[str]]:
+    """Names grouped by the storage they share: ties and views."""
+    groups: dict[int, set[str]] = {}
+    for name, tensor in tensors_of(module).items():
+        if tensor.numel():
+            groups.setdefault(tensor.untyped_storage().data_ptr(), set()).add(name)
+    return sorted(groups.values(), key=sorted)
+
+
+def eager_and_materialized(build: Callable[[], nn.Module], seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """``build()`` eagerly and through deferred_init + materialize_module, from one seed; checks the generator."""
+    torch.manual_seed(seed)
+    eager = build()
+    state_after_eager = torch.get_rng_state()
+    torch.manual_seed(seed)
+    deferred = deferred_init(build)
+    assert is_deferred(deferred)
+    torch.rand(100)  # draws in between do not change what materializing gives
+    materialize_module(deferred)
+    assert not is_deferred(deferred)
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+    return eager, deferred
+
+
+CASES: dict[str, Callable[[], nn.Module]] = {
+    "linear": lambda: nn.Linear(7, 5),
+    "embedding with padding_idx": lambda: nn.Embedding(20, 6, padding_idx=3),
+    "layer norm": lambda: nn.LayerNorm(9),
+    "conv2d": lambda: nn.Conv2d(3, 4, 3),
+    "batch norm": lambda: nn.BatchNorm1d(5),
+    "lstm": lambda: nn.LSTM(4, 6, num_layers=2),
+    "multihead attention": lambda: nn.MultiheadAttention(8, 2),
+    "transformer": lambda: nn.Transformer(16, 2, 2, 2, 32, batch_first=True),
+    "rope inv_freq": RotaryInvFreq,
+    "tied weights": Tied,
+    ".data = and views": DataAssignedAndViews,
+    "deep-copied layers": DeepCopied,
+    "trunc_normal_ and orthogonal_": TruncatedAndOrthogonal,
+    "own generator": OwnGenerator,
+    "llama": functools.partial(tiny_llama, tied=False),
+    "llama, tied": functools.partial(tiny_llama, tied=True),
+}
+
+
+@pytest.mark.parametrize("build", CASES.values(), ids=CASES.keys())
+def test_materialized_module_is_bit_identical_to_eager_construction(build: Callable[[], nn.Module]) -> None:
+    eager, materialized = eager_and_materialized(build)
+    assert_bit_identical(eager, materialized)
+
+
+@given(seed=st.integers(0, 2**32 - 1))
+@settings(max_examples=10, deadline=None)
+def test_any_seed_gives_bit_identical_values(seed: int) -> None:
+    eager, materialized = eager_and_materialized(TruncatedAndOrthogonal, seed)
+    assert_bit_identical(eager, materialized)
+
+
+def test_tied_weights_stay_one_parameter() -> None:
+    _, materialized = eager_and_materialized(functools.partial(tiny_llama, tied=True))
+    assert materialized.lm_head.weight is materialized.model.embed_tokens.weight  # type: ignore[union-attr]
+
+
+def test_views_initialized_in_place_stay_views_of_one_storage() -> None:
+    _, materialized = eager_and_materialized(DataAssignedAndViews)
+    assert isinstance(materialized, DataAssignedAndViews)
+    assert materialized.k.untyped_storage().data_ptr() == materialized.q.untyped_storage().data_ptr()
+    with torch.no_grad():
+        materialized.q.view(-1)[0] = 42.0
+    assert materialized.k.untyped_storage().data_ptr() == materialized.q.untyped_storage().data_ptr()
+
+
+def test_references_taken_before_materializing_see_the_real_tensors() -> None:
+    torch.manual_seed(0)
+    eager = nn.Linear(3, 4)
+    torch.manual_seed(0)
+    deferred = deferred_init(nn.Linear, 3, 4)
+    weight = deferred.weight
+    optimizer = torch.optim.SGD(deferred.parameters(), lr=0.1)
+    materialize_module(deferred)
+    assert weight is deferred.weight
+    assert isinstance(weight, nn.Parameter)
+    assert weight.requires_grad
+    assert_same_bits(eager.weight, optimizer.param_groups[0]["params"][0])
+    deferred(torch.ones(2, 3)).sum().backward()
+    optimizer.step()  # trains the real parameters
+    assert weight.grad is not None
+    assert not torch.equal(weight, eager.weight)
+
+
+def test_parameters_keep_their_python_attributes_and_requires_grad() -> None:
+    def build() -> nn.Linear:
+        layer = nn.Linear(2, 2)
+        layer.bias.requires_grad_(False)
+        layer.weight.no_decay = True  # type: ignore[attr-defined]
+        return layer
+
+    materialized = materialize_module(deferred_init(build))
+    assert materialized.weight.no_decay  # type: ignore[attr-defined]
+    assert not materialized.bias.requires_grad
+    assert isinstance(materialized.bias, nn.Parameter)
+
+
+def test_a_recurrent_layer_runs_after_materializing() -> None:
+    eager, materialized = eager_and_materialized(lambda: nn.LSTM(3, 4))
+    inputs = torch.randn(5, 2, 3)
+    assert torch.equal(eager(inputs)[0], materialized(inputs)[0])
+
+
+# --- modattrs attributes ---------------------------------------------------------------------------------------------
+
+
+def test_virtual_and_shaped_attributes_work_before_and_after_materializing() -> None:
+    torch.manual_seed(0)
+    eager = WithAttributes()
+    torch.manual_seed(0)
+    deferred = deferred_init(WithAttributes)
+    assert is_fake(deferred.norm.value)  # computed and cached from the fake parameter
+    assert is_fake(deferred.state.value)
+    assert deferred.state.value.shape == (2, 4)
+    materialize_module(deferred)
+    assert_same_bits(eager.norm.value, deferred.norm.value)
+    assert_same_bits(eager.state.value, deferred.state.value)
+    with torch.no_grad():
+        deferred.scale.mul_(2)
+    assert torch.allclose(deferred.norm.value, 2 * eager.norm.value)
+    deferred.state.value = torch.ones(3, 4)
+    with pytest.raises(ValueError, match="ShapedTensor 'state'"):
+        deferred.state.value = torch.ones(3, 5)
+
+
+# --- after recording -------------------------------------------------------------------------------------------------
+
+
+def test_conversions_and_initialization_after_deferred_init_are_replayed() -> None:
+    def finish(module: nn.Module) -> nn.Module:
+        nn.init.zeros_(module.layers[0].bias)
+        with torch.no_grad():
+            module.layers[1].weight.data.fill_(0.5)
+        nn.init.trunc_normal_(module.layers[2].weight)
+        return module.to(torch.float64).half()
+
+    torch.manual_seed(0)
+    eager = finish(Stack())
+    state_after_eager = torch.get_rng_state()
+    torch.manual_seed(0)
+    deferred = finish(deferred_init(Stack))
+    assert deferred.layers[0].weight.dtype == torch.half
+    materialize_module(deferred)
+    assert_bit_identical(eager, deferred)
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+
+
+def test_values_copied_in_after_deferred_init_are_replayed() -> None:
+    weight = torch.randn(4, 4)
+    deferred = deferred_init(nn.Linear, 4, 4)
+    with torch.no_grad():
+        deferred.weight.copy_(weight)
+    materialize_module(deferred)
+    assert torch.equal(deferred.weight, weight)
+
+
+def test_a_real_tensor_changed_after_being_recorded_raises_and_leaves_the_module_fake() -> None:
+    weight = torch.randn(4, 4)
+    deferred = deferred_init(nn.Linear, 4, 4)
+    with torch.no_grad():
+        deferred.weight.copy_(weight)
+    weight.add_(1)
+    with pytest.raises(DeferredInitError, match="changed in place since"):
+        materialize_module(deferred)
+    assert is_fake(deferred.weight)
+    assert is_fake(deferred.bias)
+
+
+# --- partial materialization ------------------------------------------------------------------------------------------
+
+
+@given(
+    chosen=st.sets(
+        st.sampled_from(
+            [
+                "model.embed_tokens",
+                "model.layers.0",
+                "model.layers.1.mlp",
+                "lm_head",
+                "model.norm",
+                "model.rotary_emb",
+                "model.layers.1.self_attn.q_proj",
+            ]
+        )
+    )
+)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_partial_materialization_gives_the_eager_values_of_what_it_chose(chosen: set[str]) -> None:
+    torch.manual_seed(0)
+    eager = tiny_llama(tied=False)
+    state_after_eager = torch.get_rng_state()
+    torch.manual_seed(0)
+    deferred = deferred_init(tiny_llama, tied=False)
+    torch.manual_seed(99)
+    state_before = torch.get_rng_state()
+    names = {module: name for name, module in deferred.named_modules()}
+    in_chosen = lambda name: any(name == c or name.startswith(c + ".") for c in chosen)  # noqa: E731
+    materialize_module(deferred, check_fn=lambda module: in_chosen(names[module]))
+    assert torch.equal(torch.get_rng_state(), state_before)  # a partial materialization leaves the generator alone
+    expected = tensors_of(eager)
+    for name, tensor in tensors_of(deferred).items():
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        if in_chosen(owner):
+            assert_same_bits(expected[name], tensor, name)
+        else:
+            assert is_fake(tensor), name
+    assert is_deferred(deferred) == any(is_fake(t) for t in tensors_of(deferred).values())
+    materialize_module(deferred)
+    assert_bit_identical(eager, deferred)
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+
+
+def test_check_fn_is_called_with_every_submodule_and_buffers_only_leaves_parameters_fake() -> None:
+    deferred = deferred_init(Stack)
+    seen: list[nn.Module] = []
+    materialize_module(deferred, check_fn=lambda module: seen.append(module) is None, buffers_only=True)
+    assert seen == list(deferred.modules())
+    assert not is_fake(deferred.steps)
+    assert all(is_fake(p) for p in deferred.parameters())
+    assert is_deferred(deferred)
+
+
+def test_a_chosen_view_brings_the_tensors_sharing_its_storage_along() -> None:
+    torch.manual_seed(0)
+    eager = DataAssignedAndViews()
+    torch.manual_seed(0)
+    deferred = deferred_init(DataAssignedAndViews)
+    materialize_tensor(deferred.q)
+    assert_same_bits(eager.k, deferred.k)
+    assert deferred.k.untyped_storage().data_ptr() == deferred.q.untyped_storage().data_ptr()
+    assert is_fake(deferred.linear.weight)
+
+
+def test_materialize_tensor_replays_one_tensor_and_passes_real_ones_through() -> None:
+    torch.manual_seed(0)
+    eager = Stack()
+    torch.manual_seed(0)
+    deferred = deferred_init(Stack)
+    weight = deferred.layers[2].weight
+    assert is_deferred(weight)
+    assert materialize_tensor(weight) is weight
+    assert not is_deferred(weight)
+    assert_same_bits(eager.layers[2].weight, weight)
+    real = torch.ones(2)
+    assert materialize_tensor(real) is real
+
+
+def test_materializing_twice_repeats_the_same_values() -> None:
+    torch.manual_seed(0)
+    first = deferred_init(Stack)
+    second = copy.deepcopy(first)  # recorded as well: clones of the same record
+    materialize_module(first)
+    materialize_module(second)
+    assert_bit_identical(first, second)
+
+
+PEAK_MEMORY = """
+    import resource, torch
+    from torch import nn
+    from modattrs.deferred import deferred_init, materialize_module
+
+    width = 2048  # 16 MiB per weight
+    model = deferred_init(lambda: nn.Sequential(*(nn.Linear(width, width) for _ in range(8))))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    materialize_module(model, check_fn=lambda module: module is model[5])
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    print(grown // 1024)
+"""
+
+
+def test_partial_materialization_peaks_at_the_subset_plus_one_tensor() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(PEAK_MEMORY)], capture_output=True, text=True, timeout=300, check=True
+    )
+    grown_mib = int(result.stdout.split()[-1])
+    # The subset is one 16 MiB weight and its bias; every other layer's random draws go into one scratch tensor.
+    assert grown_mib <= 16 + 16 + 8, result.stdout
+
+
+# --- devices -----------------------------------------------------------------------------------------------------
+
+
+def cuda_stack() -> nn.Module:
+    with torch.device("cuda"):
+        return Stack()
+
+
+def test_a_spoofed_cuda_record_materializes_on_the_cpu_with_eager_cpu_values() -> None:
+    torch.manual_seed(0)
+    eager = Stack()
+    with fake_mode(fake_cuda=True):
+        torch.manual_seed(0)
+        deferred = deferred_init(cuda_stack)
+    assert deferred.layers[0].weight.device.type == "cuda"
+    with pytest.raises(DeferredInitError, match="no CUDA device; pass device='cpu'"):
+        materialize_module(deferred)
+    assert is_deferred(deferred)
+    assert all(is_fake(t) for t in tensors_of(deferred).values())
+    materialize_module(deferred, device="cpu")
+    assert_bit_identical(eager, deferred)
+
+
+# --- errors --------------------------------------------------------------------------------------------------------
+
+
+class ReadsItsValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3))
+        if self.weight.sum() > 0:  # the line the error must name
+            self.weight.data.neg_()
+
+
+def test_reading_values_while_recording_raises_naming_the_op_module_and_line() -> None:
+    line = (
+        inspect.getsource(ReadsItsValues)
+        .splitlines()
+        .index("        if self.weight.sum() > 0:  # the line the error must name")
+    )
+    expected_line = inspect.getsourcelines(ReadsItsValues)[1] + line
+    with pytest.raises(DeferredInitError) as error:
+        deferred_init(ReadsItsValues)
+    message = str(error.value)
+    assert "aten._local_scalar_dense" in message or "aten.is_nonzero" in message
+    assert "ReadsItsValues.__init__" in message
+    assert f"test_deferred.py:{expected_line}" in message
+    assert "register_opaque_init" in message
+
+
+def rejection_sample_(tensor: Tensor, limit: float) -> Tensor:
+    """Draw until every value is within the limit: how many draws it takes depends on the values."""
+    with torch.no_grad():
+        tensor.normal_()
+        while (outside := tensor.abs() > limit).any():
+            tensor[outside] = torch.randn(int(outside.sum()))
+    return tensor
+
+
+class RejectionSampled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(50))
+        sys.modules[__name__].rejection_sample_(self.weight, 1.0)
+        self.after = nn.Parameter(torch.rand(3))
+
+
+def test_a_registered_opaque_init_is_recorded_as_one_call_and_replayed_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    module = sys.modules[__name__]
+    with pytest.raises(DeferredInitError, match="register_opaque_init"):
+        deferred_init(RejectionSampled)
+    monkeypatch.setattr(module, "rejection_sample_", rejection_sample_)  # restored after the test
+    register_opaque_init(module, "rejection_sample_")
+    register_opaque_init(module, "rejection_sample_")  # twice is harmless
+    eager, materialized = eager_and_materialized(RejectionSampled)
+    assert_bit_identical(eager, materialized)
+    assert materialized.weight.abs().max() <= 1.0  # type: ignore[operator]
+    real = torch.empty(10)
+    assert module.rejection_sample_(real, 0.5) is real
+    assert real.abs().max() <= 0.5
+
+
+def test_register_opaque_init_refuses_what_is_not_a_function() -> None:
+    with pytest.raises(TypeError, match="not a function"):
+        register_opaque_init(torch.nn.init, "__name__")
+    with pytest.raises(ValueError, match="mutates"):
+        register_opaque_init(torch.nn.init, "normal_", mutates=-1)
+
+
+def test_reseeding_while_recording_raises() -> None:
+    def build() -> nn.Module:
+        torch.manual_seed(3)
+        return nn.Linear(2, 2)
+
+    with pytest.raises(DeferredInitError, match="changed the default CPU generator"):
+        deferred_init(build)
+
+
+def test_a_fake_tensor_from_another_mode_cannot_enter_a_record() -> None:
+    with fake_mode():
+        foreign = torch.ones(3)
+
+    def build() -> nn.Module:
+        layer = nn.Linear(3, 3)
+        layer.register_buffer("foreign", foreign)
+        return layer
+
+    with pytest.raises(DeferredInitError, match=r"buffer 'foreign' \(Linear\).*did not record"):
+        deferred_init(build)
+
+
+def test_materializing_a_fake_tensor_nothing_recorded_raises() -> None:
+    with fake_mode():
+        layer = nn.Linear(2, 2)
+    assert not is_deferred(layer)
+    with pytest.raises(DeferredInitError, match=r"parameter 'weight' \(Linear\).*no deferred_init recorded"):
+        materialize_module(layer)
+    with pytest.raises(DeferredInitError, match="no deferred_init recorded"):
+        materialize_tensor(layer.weight)
+
+
+def test_deferred_init_needs_a_function_returning_a_module() -> None:
+    with pytest.raises(TypeError, match="ones returned a FakeTensor"):
+        deferred_init(torch.ones, 3)  # type: ignore[arg-type]
+
+
+def test_the_deferred_module_is_fake_on_the_recorded_device_and_is_deferred_says_so() -> None:
+    deferred = deferred_init(nn.Linear, 2, 3)
+    assert is_fake(deferred.weight)
+    assert deferred.weight.device == torch.device("cpu")
+    assert isinstance(deferred.weight, nn.Parameter)
+    assert is_deferred(deferred)
+    assert is_deferred(deferred.weight)
+    assert not is_deferred(nn.Linear(2, 3))
+    assert not is_deferred(torch.ones(2))
+
+
+def test_the_public_names_are_the_module_all() -> None:
+    assert sorted(modattrs.deferred.__all__) == [
+        "DeferredInitError",
+        "deferred_init",
+        "is_deferred",
+        "materialize_module",
+        "materialize_tensor",
+        "register_opaque_init",
+    ]
+    assert issubclass(DeferredInitError, RuntimeError)
