@@ -72,7 +72,8 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
             f"a {type(module).__name__}"
         )
     for label, tensor in _tensors(module, recurse=True):
-        _ref_of(label, tensor)  # every tensor is accounted for now, not found missing at materialization
+        if isinstance(tensor, FakeTensor):  # real tensors handed in stay as they are
+            _ref_of(label, tensor)  # every fake one is accounted for now, not found missing at materialization
     record.root = weakref.ref(module)
     return module
 

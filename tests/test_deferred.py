@@ -492,6 +492,18 @@ def test_materializing_a_fake_tensor_nothing_recorded_raises() -> None:
         materialize_tensor(layer.weight)
 
 
+def test_real_tensors_handed_to_the_constructor_stay_real_and_the_rest_materializes() -> None:
+    real = nn.Linear(3, 3)
+    torch.manual_seed(0)
+    eager = nn.Sequential(real, nn.Linear(3, 3))
+    torch.manual_seed(0)
+    deferred = deferred_init(lambda: nn.Sequential(real, nn.Linear(3, 3)))
+    assert deferred[0].weight is real.weight
+    assert not is_fake(real.weight)
+    materialize_module(deferred)
+    assert_bit_identical(eager, deferred)
+
+
 def test_deferred_init_needs_a_function_returning_a_module() -> None:
     with pytest.raises(TypeError, match="ones returned a FakeTensor"):
         deferred_init(torch.ones, 3)  # type: ignore[arg-type]
