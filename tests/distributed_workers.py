@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 import modattrs
 import modattrs.fake  # imported to show that it changes nothing in processes that never use it
 from modattrs import ShapedTensor, VirtualTensor
+from modattrs.deferred import deferred_init, materialize_module
 
 DIM, HEADS, LENGTH = 16, 2, 8
 
@@ -163,6 +164,32 @@ def scenario_fsdp_meta_init(output: Path) -> dict[str, Any]:
     }
 
 
+def scenario_fsdp_deferred(output: Path) -> dict[str, Any]:
+    """FSDP2 with deferred initialization: each block is materialized right before it is sharded."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = deferred_init(Decoder)
+    for block in model.blocks:
+        materialize_module(block)
+        fully_shard(block, mesh=mesh)
+    materialize_module(model)
+    fully_shard(model, mesh=mesh)
+    generator_after = torch.get_rng_state()
+    initial = full_parameters(model)
+    buffers = {"plain.cos": model.plain.cos.clone(), **virtual_values(model)}
+    train(model)
+    torch.manual_seed(0)
+    reference = Decoder()  # the same model built eagerly on the CPU, unsharded
+    return {
+        "initial": initial,
+        "reference": full_parameters(reference),
+        "buffers": buffers,
+        "reference_buffers": {"plain.cos": reference.plain.cos, **virtual_values(reference)},
+        "generator_equal": torch.equal(generator_after, torch.get_rng_state()),
+        "trained": full_parameters(model),
+    }
+
+
 def scenario_mixed_precision(output: Path) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
@@ -204,6 +231,7 @@ SCENARIOS = {
     "ddp-broadcast": lambda out: scenario_ddp(out, broadcast_buffers=True),
     "ddp-no-broadcast": lambda out: scenario_ddp(out, broadcast_buffers=False),
     "fsdp-meta-init": scenario_fsdp_meta_init,
+    "fsdp-deferred": scenario_fsdp_deferred,
     "mixed-precision": scenario_mixed_precision,
     "dcp": scenario_dcp,
 }

@@ -86,6 +86,15 @@ def test_fsdp2_meta_init_gives_virtual_values_equal_to_a_cpu_build(tmp_path: Pat
         assert not torch.equal(rank["plain"], rank["reference_plain"])
 
 
+def test_fsdp2_with_deferred_init_starts_from_the_eager_weights_one_block_at_a_time(tmp_path: Path) -> None:
+    first, second = run_ranks("fsdp-deferred", tmp_path)
+    for rank in (first, second):
+        assert_equal_dicts(rank["initial"], rank["reference"])  # sharded init == unsharded eager init, same seed
+        assert_equal_dicts(rank["buffers"], rank["reference_buffers"])  # the __init__-computed buffer too
+        assert rank["generator_equal"]
+    assert_equal_dicts(first["trained"], second["trained"])
+
+
 def test_fsdp2_mixed_precision_virtual_values_follow_the_compute_dtype_where_asked(tmp_path: Path) -> None:
     for rank in run_ranks("mixed-precision", tmp_path):
         # FSDP casts parameters to bfloat16 for forward, and leaves buffers alone.
