@@ -1,41 +1,74 @@
-"""The record behind :mod:`modattrs.deferred`: a fake tensor mode that writes down every operation on its tensors,
-and the replay that runs a slice of that record for real.
+"""The record behind :mod:`modattrs.deferred`: a fake tensor mode that writes down every operation on its tensors.
 
-Identity. A tensor is known by where its data would live: (storage, offset, sizes, strides, dtype). Python
-objects and tensor impls are no good as keys, because ``nn.Parameter(t)``, ``t.data`` and ``p.data = t`` make or
-rewire them without an operation that a mode could see; all three keep storage and geometry, though. Every
-storage the record has seen is kept alive (a fake storage holds no data), so no two storages ever share an address.
+Identity. A tensor is known by where its data would live: (storage, offset, sizes, strides, dtype, conj and neg
+bits). Python objects and tensor impls are no good as keys, because ``nn.Parameter(t)``, ``t.data`` and
+``p.data = t`` make or rewire them without an operation that a mode could see; all three keep storage and
+geometry, though. Every storage the record has seen is kept alive (a fake storage holds no data), so no two
+storages ever share an address.
 
-Slicing. To materialize some tensors, the replay runs only the operations they depend on: walking the record
-backwards, an operation is kept when it makes a tensor that is needed or writes into storage that is needed, and
-what it reads becomes needed. Random operations that are not kept still run, into a scratch tensor of the same
-geometry, because each one moves the generator on and the kept ones must draw what they drew in eager order.
+Random numbers. Fake tensors draw nothing, so the real generators stay where they were while recording; what each
+random operation would have drawn is worked out at replay (``_replay``). For the default CPU generator, the record
+notes every change of its state between two random operations (``torch.manual_seed``, ``fork_rng``,
+``set_rng_state``) as a reset to replay; see ``watch_generator``. A ``torch.Generator`` passed explicitly is
+advanced for real, on a scratch tensor, and its state before each operation is kept, so replays use it in constant
+time and the object ends where eager code leaves it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import functools
 import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+)
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from modattrs._fake_tensors import ModattrsFakeTensorMode
 
 __all__: list[str] = []
 
-Key = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]
+Key = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, bool, bool]
 
 
 class DeferredInitError(RuntimeError):
     """Deferred initialization cannot reproduce what eager construction would do."""
+
+
+class Draws(enum.Enum):
+    """Which generator an operation draws from."""
+
+    NONE = 0
+    DEFAULT = 1  # the default generator of the device it runs on
+    EXPLICIT = 2  # torch.Generator objects passed to it: their state before the operation is recorded
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """A fake tensor argument: where it sits in the flattened arguments, its ref, and its layout."""
+
+    position: int
+    ref: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    written: bool
 
 
 @dataclass(slots=True)
@@ -43,38 +76,188 @@ class Op:
     """One recorded call: an aten operation, or an opaque initializer (a Python function)."""
 
     func: Callable[..., Any]
-    flat: list[Any]  # the flattened (args, kwargs), tensors left as None
+    flat: list[Any]  # the flattened (args, kwargs); fake tensors and real ones left as None
     spec: TreeSpec
-    tensor_slots: tuple[tuple[int, int], ...]  # (position in flat, ref) of each tensor argument
+    slots: tuple[Slot, ...]
     constant_slots: tuple[tuple[int, torch.Tensor, int], ...]  # (position, real tensor, its version when recorded)
     device_slots: tuple[int, ...]
-    generator_slots: tuple[int, ...]
+    generator_states: tuple[tuple[int, torch.Tensor], ...]  # (position, state before the operation)
     in_refs: frozenset[int]
     in_storages: frozenset[int]
     out_refs: tuple[int | None, ...]  # one per leaf of the result; None for leaves that are not tensors
     writes: frozenset[int]  # storages written in place
-    random: bool
-    pinned: bool  # a random operation that also reads fake tensors: it runs in every replay
-    scratch: tuple[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device], ...]
-    # ^ (position, sizes, strides, dtype, device) of the tensors a skipped random operation writes into
+    draws: Draws
+    device: torch.device | None  # where it ran: the device of its result, or of what it wrote
+    reset: torch.Tensor | tuple[Record, int] | None  # for CPU draws: the state the default CPU generator was set to
+    # before it, as a tensor or as a point in a record (the state after that many of its operations drew)
+    pinned: bool  # draws from a default generator and reads fake tensors: it runs in every replay
+    default_dtype: torch.dtype
 
     @property
     def name(self) -> str:
-        return str(self.func) if isinstance(self.func, torch._ops.OpOverload) else _qualname(self.func)
+        return _name(self.func)
+
+    @property
+    def opaque(self) -> bool:
+        return not isinstance(self.func, torch._ops.OpOverload)
+
+    def arguments(self, tensors: Mapping[int, torch.Tensor], device: torch.device | None) -> tuple[Any, Any]:
+        """The arguments to call ``func`` with: fake tensors replaced from ``tensors`` (by position), real ones
+        checked, devices replaced by ``device`` if given, generators by copies at their recorded state."""
+        flat = list(self.flat)
+        for position, tensor in tensors.items():
+            flat[position] = tensor
+        for position, constant, version in self.constant_slots:
+            if constant._version != version:
+                raise DeferredInitError(
+                    f"a real tensor given to {self.name} while recording was changed in place since; the recorded "
+                    "result would differ from what eager construction computed. Leave tensors handed to a deferred "
+                    "module unchanged until it is materialized"
+                )
+            flat[position] = constant if device is None else constant.to(device)
+        if device is not None:
+            for position in self.device_slots:
+                flat[position] = device
+        for position, state in self.generator_states:
+            generator = torch.Generator(self.flat[position].device)
+            generator.set_state(state)
+            flat[position] = generator
+        return tree_unflatten(flat, self.spec)  # type: ignore[no-any-return]
 
 
-@dataclass(slots=True)
+@dataclass  # no slots: deferred_init keeps a weak reference to the last record
 class Record:
     """Everything that happened to the tensors of one ``deferred_init`` call, in order."""
 
-    cpu_rng_state: torch.Tensor
+    entry_state: torch.Tensor  # of the default CPU generator, when recording began
     ops: list[Op] = field(default_factory=list)
     keys: dict[Key, int] = field(default_factory=dict)
     storages: dict[int, torch.UntypedStorage] = field(default_factory=dict)
-    generators: dict[int, tuple[torch.Generator, torch.Tensor]] = field(default_factory=dict)
     ref_count: int = 0
     root: weakref.ref[torch.nn.Module] | None = None  # what deferred_init returned
+    # The default CPU generator: its state as last seen, and the record whose draws come before this one's.
+    last_seen: torch.Tensor = field(init=False)
+    reseeds_seen: int = field(init=False)  # the count of reseeds (see count_reseeds) when last_seen was taken
+    cpu_draws: bool = False
+    predecessor: Record | None = None
+    predecessor_ops: int = 0
+    followed: bool = False  # another record continues this one's CPU draws
+    states_after: dict[int, torch.Tensor] = field(default_factory=dict)  # CPU state after the first n ops
     lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def __post_init__(self) -> None:
+        self.last_seen = self.entry_state
+        self.reseeds_seen = reseeds
+
+    def see(self, state: torch.Tensor) -> None:
+        self.last_seen = state
+        self.reseeds_seen = reseeds
+
+    def continued_by(self, state: torch.Tensor) -> bool:
+        """Whether eager code starting from ``state`` now would draw after this record's draws: the generator was
+        neither used nor reseeded since the record last saw it."""
+        return self.cpu_draws and reseeds == self.reseeds_seen and _same(state, self.last_seen)
+
+
+# Telling the user's changes of the default CPU generator apart. A reseed to the state it had before looks as if
+# nobody touched it, so calls to torch.manual_seed and torch.set_rng_state are counted. And a state saved with
+# torch.get_rng_state while a record is behind the generator (its draws not made yet) stands for the state after
+# those draws: restoring it (fork_rng does) resets the generator to that point of the record, not to the state saved.
+reseeds = 0
+_saved: WeakIdKeyDictionary = WeakIdKeyDictionary()  # state tensor handed out -> (record, its op count then)
+_restored: tuple[torch.Tensor, Record, int] | None = None  # the last such state put back
+_last_record: weakref.ref[Record] | None = None
+_chain_lock = threading.Lock()
+_watching = False
+
+
+def watch_generator() -> None:
+    """Wrap ``torch.manual_seed``, ``get_rng_state`` and ``set_rng_state`` (under both their names), once."""
+    global _watching
+    if _watching:
+        return
+    for owner in (torch, torch.random):
+        for name, wrap in (("manual_seed", _counted), ("set_rng_state", _restoring), ("get_rng_state", _saving)):
+            setattr(owner, name, wrap(getattr(owner, name)))
+    _watching = True
+
+
+def _counted(func: Callable[..., Any]) -> Callable[..., Any]:
+    if getattr(func, "__modattrs_watch__", False):
+        return func
+
+    @functools.wraps(func)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        global reseeds, _restored
+        reseeds += 1
+        _restored = None
+        return func(*args, **kwargs)
+
+    counted.__modattrs_watch__ = True  # type: ignore[attr-defined]
+    return counted
+
+
+def _restoring(func: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    if getattr(func, "__modattrs_watch__", False):
+        return func
+
+    @functools.wraps(func)
+    def restoring(new_state: torch.Tensor) -> None:
+        global reseeds, _restored
+        reseeds += 1
+        saved = _saved.get(new_state)  # type: ignore[no-untyped-call]
+        with _disable_current_modes():
+            _restored = None if saved is None else (new_state.clone(), *saved)
+        func(new_state)
+
+    restoring.__modattrs_watch__ = True  # type: ignore[attr-defined]
+    return restoring
+
+
+def _saving(func: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    if getattr(func, "__modattrs_watch__", False):
+        return func
+
+    @functools.wraps(func)
+    def saving() -> torch.Tensor:
+        state = func()
+        record = _last_record() if _last_record is not None else None
+        if record is not None:
+            with record.lock:
+                if record.continued_by(state):
+                    _saved[state] = (record, len(record.ops))
+        return state
+
+    saving.__modattrs_watch__ = True  # type: ignore[attr-defined]
+    return saving
+
+
+def new_record() -> Record:
+    """A record for a new deferred_init call, whose CPU draws go on from the last record's if the generator was
+    neither used nor reseeded since (eager code would draw this module's numbers after that one's)."""
+    global _last_record
+    with _chain_lock, _disable_current_modes():  # inside fake_mode too, the generator's state is a real tensor
+        record = Record(entry_state=torch.get_rng_state())
+        previous = _last_record() if _last_record is not None else None
+        if previous is not None:
+            with previous.lock:
+                if previous.continued_by(record.entry_state):
+                    record.predecessor, record.predecessor_ops = previous, len(previous.ops)
+                    previous.followed = True
+        _last_record = weakref.ref(record)
+    return record
+
+
+def _same(state: torch.Tensor, other: torch.Tensor) -> bool:
+    with _disable_current_modes():  # generator states are real tensors, also while a fake mode records
+        return torch.equal(state, other)
+
+
+def _reset_to(state: torch.Tensor) -> torch.Tensor | tuple[Record, int]:
+    """What a draw seeing the generator changed to ``state`` resets it to: that state, or a point of a record."""
+    if _restored is not None and _same(state, _restored[0]):
+        return _restored[1], _restored[2]
+    return state
 
 
 class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untyped-call]
@@ -102,7 +285,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             return super().__torch_dispatch__(func, types, args, kwargs)
         kwargs = kwargs or {}
         with self.record.lock:
-            pending = self._begin(func, args, kwargs)
+            pending = self._begin(func, args, kwargs, _mutated_arguments(func, args, kwargs), None)
             self._depth.n = 1
             try:
                 result = super().__torch_dispatch__(func, types, args, kwargs)
@@ -112,6 +295,11 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                     f"({where()}). Values that depend on data cannot be recorded one operation at a time: move this "
                     "code after materialize_module, or record the function doing it as one call with "
                     "modattrs.deferred.register_opaque_init"
+                ) from error
+            except (UnsupportedFakeTensorException, UnsupportedOperatorException) as error:
+                raise DeferredInitError(
+                    f"{func} cannot run on fake tensors ({where()}): {error}. deferred_init records on fake tensors; "
+                    "build this part outside deferred_init and hand it in real"
                 ) from error
             finally:
                 self._depth.n = 0
@@ -123,9 +311,58 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
     ) -> Any:
         """Record ``func(*args, **kwargs)`` as one call that writes ``args[mutates]`` in place, without running it."""
         with self.record.lock:
-            pending = self._begin(func, args, kwargs, mutated=(args[mutates],), random=True)
+            pending = self._begin(func, args, kwargs, (args[mutates],), True)
             self._finish(pending, args[mutates])
         return args[mutates]
+
+    def note_generator(self) -> None:
+        """Record a change of the default CPU generator since its last draw (a reseed at the end of construction)."""
+        with self.record.lock, _disable_current_modes():
+            state = torch.get_rng_state()
+            if _same(state, self.record.last_seen) and reseeds == self.record.reseeds_seen:
+                return
+        self.record.see(state)
+        reset = _reset_to(state)
+        self.record.cpu_draws = True
+        self.record.ops.append(
+            Op(
+                func=_no_draw,
+                flat=[],
+                spec=tree_flatten(((), {}))[1],
+                slots=(),
+                constant_slots=(),
+                device_slots=(),
+                generator_states=(),
+                in_refs=frozenset(),
+                in_storages=frozenset(),
+                out_refs=(),
+                writes=frozenset(),
+                draws=Draws.DEFAULT,
+                device=torch.device("cpu"),
+                reset=reset,
+                pinned=False,
+                default_dtype=torch.get_default_dtype(),
+            )
+        )
+
+    def ref_of(self, tensor: FakeTensor) -> int | None:
+        """The record's name for ``tensor``, or None if the record cannot account for it."""
+        with self.record.lock:
+            return self.record.keys.get(self._key_of(tensor))
+
+    def storage_of(self, tensor: FakeTensor) -> int:
+        with self.record.lock:
+            return self._storage_of(tensor)
+
+    def forget(self, tensor: FakeTensor) -> None:
+        """Drop the weak references torch's fake tensor machinery keeps to ``tensor`` (the memo of fakes made from
+        real tensors, and of constants), which ``torch.utils.swap_tensors`` would refuse."""
+        converter = self.fake_tensor_converter
+        memo = converter.meta_converter.tensor_memo
+        for key in [key for key, value in memo.items() if value is tensor]:
+            del memo[key]
+        for refs in converter.constant_storage_mapping.values():
+            refs[:] = [ref for ref in refs if ref() is not tensor]
 
     # --- recording --------------------------------------------------------------------------------------------------
 
@@ -134,94 +371,136 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         func: Callable[..., Any],
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
-        mutated: Sequence[torch.Tensor] | None = None,
-        random: bool | None = None,
+        mutated: Sequence[torch.Tensor],
+        random: bool | None,
     ) -> _Pending:
         originals, spec = tree_flatten((tuple(args), dict(kwargs)))
         flat = list(originals)
-        tensor_slots: list[tuple[int, int]] = []
+        written = {id(t) for t in mutated}
+        slots: list[Slot] = []
         constant_slots: list[tuple[int, torch.Tensor, int]] = []
         device_slots: list[int] = []
-        generator_slots: list[int] = []
-        in_storages: set[int] = set()
+        generators: list[tuple[int, torch.Generator]] = []
         for position, value in enumerate(originals):
-            if isinstance(value, torch.Tensor):
-                if isinstance(value, FakeTensor):
-                    tensor_slots.append((position, self._ref_of(value, func)))
-                    in_storages.add(self._storage_of(value))
-                else:  # a real tensor from outside (torch.tensor(...), a loaded weight): used as it is now
-                    constant_slots.append((position, value, value._version))
+            if isinstance(value, (torch.UntypedStorage, torch.TypedStorage)) or (
+                isinstance(value, torch.Tensor) and value.layout is not torch.strided
+            ):
+                raise DeferredInitError(
+                    f"{_name(func)} was given a {type(value).__name__} ({where()}); deferred_init records strided "
+                    "tensors only, not storages or sparse tensors: make this one after materialize_module"
+                )
+            if isinstance(value, FakeTensor):
+                ref = self._ref_of(value, func)
+                slots.append(
+                    Slot(
+                        position,
+                        ref,
+                        tuple(value.shape),
+                        tuple(value.stride()),
+                        value.dtype,
+                        value.device,
+                        id(value) in written,
+                    )
+                )
+                flat[position] = None
+            elif isinstance(value, torch.Tensor):  # a real tensor from outside (torch.tensor(...), a loaded weight)
+                constant_slots.append((position, value, value._version))
                 flat[position] = None
             elif isinstance(value, torch.device):
                 device_slots.append(position)
-            elif isinstance(value, torch.Generator):
-                generator_slots.append(position)
-                if id(value) not in self.record.generators:  # fake draws never move it: this is its eager state
-                    self.record.generators[id(value)] = (value, value.get_state())
-        if mutated is None:
-            mutated = _mutated_arguments(func, args, kwargs)
+            elif isinstance(value, torch.Generator) and value._cdata != torch.default_generator._cdata:
+                generators.append((position, value))
         if random is None:
             random = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
-        mutated_ids = {id(t) for t in mutated}
-        scratch = tuple(
-            (position, tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
-            for position, _ in tensor_slots
-            if id(t := originals[position]) in mutated_ids
-        )
-        # A random operation that reads fake tensors draws in a way a scratch run could not repeat: it always runs.
-        pinned = random and len(scratch) < len(tensor_slots)
+        draws = Draws.NONE if not random else Draws.EXPLICIT if generators else Draws.DEFAULT
         return _Pending(
-            func,
-            flat,
-            spec,
-            tuple(tensor_slots),
-            tuple(constant_slots),
-            tuple(device_slots),
-            tuple(generator_slots),
-            frozenset(ref for _, ref in tensor_slots),
-            frozenset(in_storages),
-            frozenset(self._storage_of(t) for t in mutated if isinstance(t, FakeTensor)),
-            random,
-            pinned,
-            scratch,
-            mutated_ids,
-            {id(originals[position]): ref for position, ref in tensor_slots},
+            func=func,
+            flat=flat,
+            spec=spec,
+            slots=tuple(slots),
+            constant_slots=tuple(constant_slots),
+            device_slots=tuple(device_slots),
+            generators=tuple(generators),
+            in_storages=frozenset(self._storage_of(v) for v in originals if isinstance(v, FakeTensor)),
+            writes=frozenset(self._storage_of(t) for t in mutated if isinstance(t, FakeTensor)),
+            draws=draws,
+            mutated=written,
+            arg_refs={id(originals[slot.position]): slot.ref for slot in slots},
         )
 
     def _finish(self, pending: _Pending, result: Any) -> None:
+        record = self.record
         out_refs: list[int | None] = []
         writes = set(pending.writes)
+        device: torch.device | None = None
         leaves, _ = tree_flatten(result)
         for leaf in leaves:
             if not isinstance(leaf, FakeTensor):
                 out_refs.append(None)
                 continue
+            if leaf.layout is not torch.strided:
+                raise DeferredInitError(
+                    f"{_name(pending.func)} made a {leaf.layout} tensor ({where()}); deferred_init records strided "
+                    "tensors only: make this one after materialize_module"
+                )
+            device = device or leaf.device
             ref = pending.arg_refs.get(id(leaf))
             if ref is None:
-                ref = self.record.ref_count
-                self.record.ref_count += 1
+                ref = record.ref_count
+                record.ref_count += 1
             elif id(leaf) in pending.mutated:
                 writes.add(self._storage_of(leaf))  # set_ and resize_ move it to another storage
-            self.record.keys[self._key_of(leaf)] = ref
+            record.keys[self._key_of(leaf)] = ref
             out_refs.append(ref)
-        self.record.ops.append(
-            Op(
-                pending.func,
-                pending.flat,
-                pending.spec,
-                pending.tensor_slots,
-                pending.constant_slots,
-                pending.device_slots,
-                pending.generator_slots,
-                pending.in_refs,
-                pending.in_storages,
-                tuple(out_refs),
-                frozenset(writes),
-                pending.random,
-                pending.pinned,
-                pending.scratch,
-            )
+        if device is None:
+            device = next((slot.device for slot in pending.slots if slot.written), None)
+        generator_states: tuple[tuple[int, torch.Tensor], ...] = ()
+        reset = None
+        if pending.draws is Draws.EXPLICIT:
+            generator_states = tuple((position, g.get_state()) for position, g in pending.generators)
+        elif pending.draws is Draws.DEFAULT and device is not None and device.type == "cpu":
+            reset = self._note_cpu_draw()
+        op = Op(
+            func=pending.func,
+            flat=pending.flat,
+            spec=pending.spec,
+            slots=pending.slots,
+            constant_slots=pending.constant_slots,
+            device_slots=pending.device_slots,
+            generator_states=generator_states,
+            in_refs=frozenset(slot.ref for slot in pending.slots),
+            in_storages=pending.in_storages,
+            out_refs=tuple(out_refs),
+            writes=frozenset(writes),
+            draws=pending.draws,
+            device=device,
+            reset=reset,
+            pinned=pending.draws is Draws.DEFAULT and any(not slot.written for slot in pending.slots),
+            default_dtype=torch.get_default_dtype(),
         )
+        if pending.draws is Draws.EXPLICIT:
+            _advance(op, dict(pending.generators))  # so the generator object ends where eager code leaves it
+        record.ops.append(op)
+
+    def _note_cpu_draw(self) -> torch.Tensor | tuple[Record, int] | None:
+        """Note a draw from the default CPU generator; return its state if it was changed since the last one."""
+        record = self.record
+        with _disable_current_modes():
+            state = torch.get_rng_state()
+            changed = not _same(state, record.last_seen)
+        record.cpu_draws = True
+        changed = changed or reseeds != record.reseeds_seen
+        if changed:
+            record.see(state)
+            return _reset_to(state)
+        if record.followed:
+            raise DeferredInitError(
+                f"random numbers drawn into a deferred module ({where()}) after another deferred_init call went on "
+                "from where this module's draws end: eager code would draw them after that module's, which the "
+                "records cannot replay. Initialize this module before the later deferred_init call, or seed the "
+                "generator first"
+            )
+        return None
 
     def _ref_of(self, tensor: FakeTensor, func: object) -> int:
         if tensor.fake_mode is not self:
@@ -252,45 +531,56 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             tuple(tensor.shape),
             tuple(tensor.stride()),
             tensor.dtype,
+            tensor.is_conj(),
+            tensor.is_neg(),
         )
 
-    def ref_of(self, tensor: FakeTensor) -> int | None:
-        """The record's name for ``tensor``, or None if the record cannot account for it."""
-        with self.record.lock:
-            return self.record.keys.get(self._key_of(tensor))
 
-    def forget(self, tensor: FakeTensor) -> None:
-        """Drop the weak references torch's fake tensor machinery keeps to ``tensor`` (the memo of fakes made from
-        real tensors, and of constants), which ``torch.utils.swap_tensors`` would refuse."""
-        converter = self.fake_tensor_converter
-        memo = converter.meta_converter.tensor_memo
-        for key in [key for key, value in memo.items() if value is tensor]:
-            del memo[key]
-        for refs in converter.constant_storage_mapping.values():
-            refs[:] = [ref for ref in refs if ref() is not tensor]
-
-    def storage_of(self, tensor: FakeTensor) -> int:
-        with self.record.lock:
-            return self._storage_of(tensor)
-
-
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class _Pending:
     func: Callable[..., Any]
     flat: list[Any]
     spec: TreeSpec
-    tensor_slots: tuple[tuple[int, int], ...]
+    slots: tuple[Slot, ...]
     constant_slots: tuple[tuple[int, torch.Tensor, int], ...]
     device_slots: tuple[int, ...]
-    generator_slots: tuple[int, ...]
-    in_refs: frozenset[int]
+    generators: tuple[tuple[int, torch.Generator], ...]
     in_storages: frozenset[int]
     writes: frozenset[int]
-    random: bool
-    pinned: bool
-    scratch: tuple[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device], ...]
+    draws: Draws
     mutated: set[int]
     arg_refs: dict[int, int]
+
+
+def _no_draw() -> None:
+    """Stands for a reset of the default CPU generator that no draw followed."""
+
+
+def scratch_arguments(op: Op, device: torch.device | None) -> dict[int, torch.Tensor]:
+    """Stand-ins for an operation's fake arguments, to make it draw what it would draw: empty tensors of the same
+    layout for what it writes, ones for what it reads."""
+    tensors = {}
+    for slot in op.slots:
+        where = device or slot.device
+        if slot.written:
+            tensors[slot.position] = torch.empty_strided(slot.size, slot.stride, dtype=slot.dtype, device=where)
+        else:
+            tensors[slot.position] = torch.ones(slot.size, dtype=slot.dtype, device=where)
+    return tensors
+
+
+def _advance(op: Op, generators: Mapping[int, torch.Generator]) -> None:
+    """Run an operation that draws from explicit generators for real, on scratch tensors, to advance them."""
+    with _disable_current_modes(), torch.no_grad():
+        flat = list(op.flat)
+        for position, tensor in scratch_arguments(op, None).items():
+            flat[position] = tensor
+        for position, constant, _ in op.constant_slots:
+            flat[position] = constant
+        for position, generator in generators.items():
+            flat[position] = generator
+        args, kwargs = tree_unflatten(flat, op.spec)
+        op.func(*args, **kwargs)
 
 
 _MUTATED: dict[Any, tuple[tuple[int, str], ...]] = {}
@@ -318,7 +608,9 @@ def _mutated_arguments(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
 
 # --- where an operation happened, for error messages -----------------------------------------------------------------
 
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(path) + os.sep for path in (torch.__file__, __file__, contextlib.__file__, functools.__file__)
+)
 
 
 def where() -> str:
@@ -339,168 +631,9 @@ def where() -> str:
     return ", ".join(part for part in parts if part)
 
 
+def _name(func: Callable[..., Any]) -> str:
+    return str(func) if isinstance(func, torch._ops.OpOverload) else _qualname(func)
+
+
 def _qualname(func: Callable[..., Any]) -> str:
     return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
-
-
-# --- replay -------------------------------------------------------------------------------------------------------
-
-
-def replay(
-    record: Record,
-    targets: Mapping[int, int],
-    *,
-    device: torch.device | None,
-    to_end: bool,
-) -> dict[int, torch.Tensor]:
-    """Run what the refs in ``targets`` (ref to its storage) need, for real, and return them by ref.
-
-    The default CPU generator starts from its state when recording began. With ``to_end``, every random operation
-    of the record runs, and the generator is left where eager construction would have left it; otherwise the replay
-    stops after the last operation needed and the generator is put back as it was.
-    """
-    with record.lock:
-        ops = record.ops
-        kept = _slice(ops, targets)
-        last = len(ops) - 1 if to_end else max(kept, default=-1)
-        frees = _last_uses(ops, kept, targets)
-        _check_devices(ops, kept, device)
-        generators = _replay_generators(record, device)
-        env: dict[int, torch.Tensor] = {}
-        saved_state = torch.get_rng_state()
-        torch.set_rng_state(record.cpu_rng_state)
-        done = False
-        try:
-            with torch.no_grad(), _disable_current_modes():
-                for index in range(last + 1):
-                    op = ops[index]
-                    if index in kept:
-                        _run(op, env, device, generators)
-                        for ref in frees.get(index, ()):
-                            env.pop(ref, None)
-                    elif op.random:
-                        _run_on_scratch(op, device, generators)
-            done = True
-        finally:
-            if not (done and to_end):
-                torch.set_rng_state(saved_state)
-        return {ref: env[ref] for ref in targets}
-
-
-def _slice(ops: list[Op], targets: Mapping[int, int]) -> set[int]:
-    needed_refs = set(targets)
-    needed_storages = set(targets.values())
-    kept: set[int] = set()
-    for index in range(len(ops) - 1, -1, -1):
-        op = ops[index]
-        keep = op.pinned or not needed_refs.isdisjoint(r for r in op.out_refs if r is not None)
-        if not keep and op.writes and not needed_storages.isdisjoint(op.writes):
-            keep = True
-        if keep:
-            kept.add(index)
-            needed_refs.update(op.in_refs)
-            needed_storages.update(op.in_storages)
-    return kept
-
-
-def _last_uses(ops: list[Op], kept: set[int], targets: Mapping[int, int]) -> dict[int, list[int]]:
-    """For each kept operation, the refs that no later kept operation reads and that are not targets."""
-    last_use: dict[int, int] = {}
-    for index in sorted(kept):
-        op = ops[index]
-        for ref in op.in_refs:
-            last_use[ref] = index
-        for out in op.out_refs:
-            if out is not None:
-                last_use.setdefault(out, index)  # made and never read: freed at once
-    frees: dict[int, list[int]] = {}
-    for ref, index in last_use.items():
-        if ref not in targets:
-            frees.setdefault(index, []).append(ref)
-    return frees
-
-
-def _check_devices(ops: list[Op], kept: Iterable[int], device: torch.device | None) -> None:
-    devices = {device} if device is not None else set()
-    if device is None:
-        for index in kept:
-            op = ops[index]
-            devices.update(op.flat[position] for position in op.device_slots)
-            devices.update(scratch_device for *_, scratch_device in op.scratch)
-    for candidate in devices:
-        if candidate.type == "cuda" and not torch.cuda.is_available():
-            raise DeferredInitError(
-                f"materializing needs real tensors on {candidate}, and this machine has no CUDA device; pass "
-                "device='cpu' to materialize on the CPU instead"
-            )
-
-
-def _replay_generators(record: Record, device: torch.device | None) -> dict[int, torch.Generator]:
-    # Each generator made by the code replays from its state at first use, so replays repeat; the caller's own
-    # generator object is left alone.
-    copies = {}
-    for key, (generator, state) in record.generators.items():
-        if device is not None and device.type != generator.device.type:
-            raise DeferredInitError(
-                f"the recorded code drew from a torch.Generator on {generator.device}, which cannot draw on "
-                f"{device}; materialize without device= (on the devices it was recorded for)"
-            )
-        copy = torch.Generator(generator.device)
-        copy.set_state(state)
-        copies[key] = copy
-    return copies
-
-
-def _arguments(
-    op: Op,
-    env: Mapping[int, torch.Tensor],
-    device: torch.device | None,
-    generators: Mapping[int, torch.Generator],
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    flat = list(op.flat)
-    for position, ref in op.tensor_slots:
-        flat[position] = env[ref]
-    for position, constant, version in op.constant_slots:
-        if constant._version != version:
-            raise DeferredInitError(
-                f"a real tensor given to {op.name} while recording was changed in place since; the recorded "
-                "result would differ from what eager construction computed. Leave tensors handed to a deferred "
-                "module unchanged until it is materialized"
-            )
-        flat[position] = constant if device is None else constant.to(device)
-    if device is not None:
-        for position in op.device_slots:
-            flat[position] = device
-    for position in op.generator_slots:
-        flat[position] = generators[id(op.flat[position])]
-    args, kwargs = tree_unflatten(flat, op.spec)
-    return args, kwargs
-
-
-def _run(
-    op: Op, env: dict[int, torch.Tensor], device: torch.device | None, generators: Mapping[int, torch.Generator]
-) -> None:
-    args, kwargs = _arguments(op, env, device, generators)
-    result = op.func(*args, **kwargs)
-    if not isinstance(op.func, torch._ops.OpOverload):
-        return  # an opaque initializer: it wrote into its argument, which env holds already
-    if len(op.out_refs) == 1:
-        ref = op.out_refs[0]
-        if ref is not None:
-            env[ref] = result
-        return
-    leaves, _ = tree_flatten(result)
-    for leaf, ref in zip(leaves, op.out_refs, strict=True):
-        if ref is not None:
-            env[ref] = leaf
-
-
-def _run_on_scratch(op: Op, device: torch.device | None, generators: Mapping[int, torch.Generator]) -> None:
-    scratch_env: dict[int, torch.Tensor] = {}
-    slot_refs = dict(op.tensor_slots)
-    for position, size, stride, dtype, recorded_device in op.scratch:
-        scratch_env[slot_refs[position]] = torch.empty_strided(
-            size, stride, dtype=dtype, device=device or recorded_device
-        )
-    args, kwargs = _arguments(op, scratch_env, device, generators)
-    op.func(*args, **kwargs)

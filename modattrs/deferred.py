@@ -13,6 +13,7 @@ The names and the ``check_fn`` rule are torchdistx's, whose ``deferred_init`` do
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ParamSpec, TypeVar
@@ -20,10 +21,11 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import _disable_current_modes
 
 from modattrs._fake_tensors import ModattrsFakeTensorMode, install_process_hooks
-from modattrs._recording import DeferredInitError, Record, RecordingFakeTensorMode, replay
+from modattrs._recording import DeferredInitError, RecordingFakeTensorMode, new_record, watch_generator
+from modattrs._replay import replay
+from modattrs.virtual import VirtualTensor
 
 __all__ = [
     "DeferredInitError",
@@ -52,20 +54,25 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
             operation and where it ran.
         TypeError: ``module_fn`` did not return a module.
     """
+    if getattr(_recording, "active", False):
+        raise DeferredInitError(
+            f"deferred_init({_name_of(module_fn)}) was called while another deferred_init records; build the inner "
+            "module directly: everything inside the outer call is deferred already"
+        )
     install_process_hooks()
     _register_builtin_opaque_inits()
-    with _disable_current_modes():  # inside fake_mode too, the generator's state is a real tensor
-        record = Record(cpu_rng_state=torch.get_rng_state())
-    with RecordingFakeTensorMode(record):
-        module = module_fn(*args, **kwargs)
-    with _disable_current_modes():
-        generator_moved = not torch.equal(torch.get_rng_state(), record.cpu_rng_state)
-    if generator_moved:
-        raise DeferredInitError(
-            f"{_name_of(module_fn)} changed the default CPU generator while deferred_init recorded it "
-            "(torch.manual_seed, or random numbers drawn into real tensors), so a replay could not draw what eager "
-            "construction drew; seed before calling deferred_init, and leave real tensors out of construction"
-        )
+    watch_generator()
+    record = new_record()
+    mode = RecordingFakeTensorMode(record)
+    _recording.active = True
+    try:
+        with mode:
+            module = module_fn(*args, **kwargs)
+            if isinstance(module, nn.Module):
+                _detach_graphs(module)
+        mode.note_generator()  # a reseed after the last draw still sets where eager construction leaves it
+    finally:
+        _recording.active = False
     if not isinstance(module, nn.Module):
         raise TypeError(
             f"deferred_init expects a function returning a module; {_name_of(module_fn)} returned "
@@ -75,7 +82,27 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
         if isinstance(tensor, FakeTensor):  # real tensors handed in stay as they are
             _ref_of(label, tensor)  # every fake one is accounted for now, not found missing at materialization
     record.root = weakref.ref(module)
+    _roots[module] = mode
     return module
+
+
+_recording = threading.local()
+_roots: weakref.WeakKeyDictionary[nn.Module, RecordingFakeTensorMode] = weakref.WeakKeyDictionary()
+
+
+def _detach_graphs(module: nn.Module) -> None:
+    """Replace buffers and tensor attributes that carry an autograd graph by their detached values (recorded).
+
+    A graph made at construction cannot be replayed (``requires_grad_`` is no operation), and it holds the tensors
+    it saved, which swap_tensors would then refuse.
+    """
+    for submodule in module.modules():
+        for name, buffer in submodule._buffers.items():
+            if buffer is not None and buffer.grad_fn is not None:
+                submodule._buffers[name] = buffer.detach()
+        for name, value in vars(submodule).items():
+            if isinstance(value, Tensor) and value.grad_fn is not None:
+                vars(submodule)[name] = value.detach()
 
 
 def is_deferred(obj: nn.Module | Tensor) -> bool:
@@ -193,7 +220,7 @@ def _register_builtin_opaque_inits() -> None:
 def _materialize(
     chosen: list[tuple[str, FakeTensor]], module: nn.Module | None, *, full: bool, device: torch.device | None
 ) -> None:
-    """Replay what ``chosen`` needs, record by record, then swap every result in; nothing changes on an error."""
+    """Replay what ``chosen`` needs, record by record, then swap every result in."""
     by_mode: dict[int, tuple[RecordingFakeTensorMode, dict[int, tuple[str, FakeTensor]]]] = {}
     for label, tensor in chosen:
         mode = _recording_mode(tensor)
@@ -203,6 +230,9 @@ def _materialize(
                 "there is nothing to replay for it; make it real by assigning a real tensor"
             )
         by_mode.setdefault(id(mode), (mode, {}))[1][id(tensor)] = (label, tensor)
+    root_mode = _roots.get(module) if full and module is not None else None
+    if root_mode is not None and id(root_mode) not in by_mode:  # nothing left: still set the generator
+        by_mode[id(root_mode)] = (root_mode, {})
     scope = [] if module is None else list(module.modules())
     swaps: list[tuple[str, FakeTensor, Tensor]] = []
     for mode, tensors in by_mode.values():
@@ -213,16 +243,17 @@ def _materialize(
             scope.extend(recorded_root.modules())
         refs = {key: _ref_of(label, tensor) for key, (label, tensor) in tensors.items()}
         targets = {refs[key]: mode.storage_of(tensor) for key, (_, tensor) in tensors.items()}
-        to_end = full and module is not None and module is recorded_root
-        reals = replay(record, targets, device=device, to_end=to_end)
+        reals = replay(record, targets, device=device, to_end=mode is root_mode)
         for key, (label, tensor) in tensors.items():
             swaps.append((label, tensor, _real_twin(label, tensor, reals[refs[key]], device)))
     _swap(swaps, scope)
+    if root_mode is not None and module is not None:
+        del _roots[module]  # all of it is real: the record can go
 
 
 def _swap(swaps: list[tuple[str, FakeTensor, Tensor]], scope: list[nn.Module]) -> None:
-    # Recurrent layers hold weak references to their weights, which swap_tensors refuses; like their own _apply,
-    # drop them for the swap and make them again.
+    """Swap each real twin into its fake tensor object, checking first what would make torch refuse."""
+    # Recurrent layers hold weak references to their weights; like their own _apply, drop them and make them again.
     swapped = {id(tensor) for _, tensor, _ in swaps}
     recurrent = {
         id(layer): layer
@@ -232,20 +263,53 @@ def _swap(swaps: list[tuple[str, FakeTensor, Tensor]], scope: list[nn.Module]) -
     for layer in recurrent:
         layer._flat_weight_refs = []
     try:
-        for label, tensor, _ in swaps:
-            mode = _recording_mode(tensor)
-            assert mode is not None
-            mode.forget(tensor)
-            if weakref.getweakrefcount(tensor):
+        _check_swappable(swaps)
+        # Views hold their base: they go first, and their fake halves are let go before the bases are swapped.
+        swaps.sort(key=lambda swap: swap[1]._base is None)
+        while swaps:
+            label, tensor, twin = swaps.pop(0)
+            hooks = (tensor._backward_hooks, getattr(tensor, "_post_accumulate_grad_hooks", None))
+            try:
+                torch.utils.swap_tensors(tensor, twin)  # type: ignore[no-untyped-call]
+            except RuntimeError as error:
                 raise DeferredInitError(
-                    f"{label} cannot be made real in place: something holds a weak reference to it "
-                    "(torch.utils.swap_tensors refuses such tensors); drop the weak reference first"
-                )
-        for _, tensor, real in swaps:
-            torch.utils.swap_tensors(tensor, real)  # type: ignore[no-untyped-call]
+                    f"{label} could not be made real in place ({error}); the tensors listed before it were"
+                ) from error
+            del twin  # now the fake half: let go of it, and of the base it may hold
+            if hooks[0]:  # hooks live on the tensor's autograd data, which the swap replaced
+                tensor._backward_hooks = hooks[0]
+            if hooks[1]:
+                tensor._post_accumulate_grad_hooks = hooks[1]
     finally:
         for layer in recurrent:
             layer._init_flat_weights()
+    for module in {id(m): m for m in scope}.values():  # cached values may have been computed from fake tensors
+        for value in vars(module).values():
+            if isinstance(value, VirtualTensor):
+                value.invalidate()
+
+
+def _check_swappable(swaps: list[tuple[str, FakeTensor, Tensor]]) -> None:
+    views_of: dict[int, int] = {}
+    for _, tensor, _ in swaps:
+        if tensor._base is not None:
+            views_of[id(tensor._base)] = views_of.get(id(tensor._base), 0) + 1
+    for label, tensor, _ in swaps:
+        mode = _recording_mode(tensor)
+        assert mode is not None
+        mode.forget(tensor)
+        if weakref.getweakrefcount(tensor):
+            raise DeferredInitError(
+                f"{label} cannot be made real in place: something holds a weak reference to it "
+                "(torch.utils.swap_tensors refuses such tensors); drop the weak reference first"
+            )
+        # A fake view holds its base twice (the view's and its meta tensor's view information).
+        allowed = 1 + 2 * views_of.get(id(tensor), 0) + (1 if tensor.is_leaf and tensor.requires_grad else 0)
+        if tensor._use_count() > allowed:  # type: ignore[attr-defined]
+            raise DeferredInitError(
+                f"{label} cannot be made real in place: other tensors hold it (a view of it outside the module, or "
+                "the autograd graph of a fake forward pass whose outputs are still alive); drop them first"
+            )
 
 
 def _add_aliases(
@@ -273,8 +337,8 @@ def _real_twin(label: str, fake: FakeTensor, real: Tensor, device: torch.device 
     twin: Tensor
     if isinstance(fake, nn.Parameter):
         twin = nn.Parameter(real, requires_grad=fake.requires_grad)
-    else:
-        twin = real.detach().requires_grad_(fake.requires_grad)
+    else:  # a graph is not replayed: a tensor that had one comes back as its value, a leaf
+        twin = real.detach().requires_grad_(fake.requires_grad and fake.is_leaf)
     internal = _fake_tensor_fields()
     vars(twin).update({key: value for key, value in vars(fake).items() if key not in internal})
     return twin
@@ -307,6 +371,11 @@ def _ref_of(label: str, tensor: Tensor) -> int:
         raise AssertionError(label)
     assert isinstance(tensor, FakeTensor)
     ref = mode.ref_of(tensor)
+    if ref is None and tensor.untyped_storage().device.type != "meta":
+        raise DeferredInitError(
+            f"{label} had its data replaced by a real tensor (`.data = real`), which no operation records; assign a "
+            "new parameter or buffer instead, or copy_ the values in"
+        )
     if ref is None:
         raise DeferredInitError(
             f"{label} ({tuple(tensor.shape)}, {tensor.dtype}) is fake, and no recorded operation made a tensor with "
@@ -333,8 +402,20 @@ def _own_tensors(module: nn.Module, prefix: str, *, buffers_only: bool) -> Itera
         if buffer is not None:
             yield f"buffer {_join(prefix, name)!r} ({kind})", buffer
     for name, value in vars(module).items():
-        if isinstance(value, Tensor):
-            yield f"tensor attribute {_join(prefix, name)!r} ({kind})", value
+        if name not in ("_parameters", "_buffers", "_modules"):
+            for path, tensor in _tensors_in(value, name, set()):
+                yield f"tensor attribute {_join(prefix, path)!r} ({kind})", tensor
+
+
+def _tensors_in(value: object, path: str, seen: set[int]) -> Iterator[tuple[str, Tensor]]:
+    """Tensors in a plain attribute, also inside lists, tuples and dicts."""
+    if isinstance(value, Tensor):
+        yield path, value
+    elif isinstance(value, (list, tuple, dict)) and id(value) not in seen:
+        seen.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            yield from _tensors_in(item, f"{path}[{key!r}]", seen)
 
 
 def _join(prefix: str, name: str) -> str:

@@ -94,3 +94,44 @@ class Stack(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
         self.register_buffer("steps", torch.zeros(()))
+
+
+class ViewsAndGraphs(nn.Module):
+    """A buffer viewing another, a buffer computed from parameters with grad on, tensors kept in containers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(6))
+        self.register_buffer("head", self.table[:2])
+        self.w = nn.Parameter(torch.randn(3))
+        self.v = nn.Parameter(torch.randn(3))
+        self.register_buffer("product", self.w * self.v)  # carries an autograd graph
+        self.masks = [torch.rand(2) > 0.5, torch.ones(2)]
+        self.tables = {"cos": torch.randn(3).cos()}
+        self.halves = torch.randn(4).split(4)[0]  # an operation returning a one-tensor list
+        self.conj = torch.randn(2, dtype=torch.complex64).conj()  # a view with the same layout as its base
+
+
+def built_under_bfloat16() -> nn.Module:
+    """A module built with bfloat16 as the default dtype, then converted: its draws were made in bfloat16."""
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return nn.Embedding(4, 3).float()
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+class CachedFromSubmodule(nn.Module):
+    """A cached virtual value computed from a submodule's weight, with and without a declared dependency."""
+
+    declared: VirtualTensor
+    undeclared: VirtualTensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        VirtualTensor(self, "declared", "weight_sum", cache=True, depends_on=["linear"])
+        VirtualTensor(self, "undeclared", "weight_sum", cache=True)
+
+    def weight_sum(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return self.linear.weight.detach().to(dtype).sum()

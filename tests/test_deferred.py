@@ -8,6 +8,7 @@ import inspect
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -27,6 +28,7 @@ from modattrs.deferred import (
 )
 from modattrs.fake import fake_mode, is_fake
 from tests.deferred_models import (
+    CachedFromSubmodule,
     DataAssignedAndViews,
     DeepCopied,
     OwnGenerator,
@@ -34,7 +36,9 @@ from tests.deferred_models import (
     Stack,
     Tied,
     TruncatedAndOrthogonal,
+    ViewsAndGraphs,
     WithAttributes,
+    built_under_bfloat16,
 )
 
 
@@ -61,7 +65,7 @@ def tensors_of(module: nn.Module) -> dict[str, Tensor]:
 
 
 def bits(tensor: Tensor) -> Tensor:
-    return tensor.detach().reshape(-1).contiguous().view(torch.uint8)
+    return tensor.detach().resolve_conj().resolve_neg().reshape(-1).contiguous().view(torch.uint8)
 
 
 def assert_same_bits(expected: Tensor, got: Tensor, name: str = "") -> None:
@@ -72,6 +76,7 @@ def assert_same_bits(expected: Tensor, got: Tensor, name: str = "") -> None:
         expected.dtype,
         expected.device,
     ), name
+    assert (got.is_conj(), got.is_neg()) == (expected.is_conj(), expected.is_neg()), name
     assert torch.equal(bits(expected), bits(got)), f"{name} differs from eager construction"
 
 
@@ -124,6 +129,7 @@ CASES: dict[str, Callable[[], nn.Module]] = {
     "deep-copied layers": DeepCopied,
     "trunc_normal_ and orthogonal_": TruncatedAndOrthogonal,
     "own generator": OwnGenerator,
+    "built under a bfloat16 default dtype": built_under_bfloat16,
     "llama": functools.partial(tiny_llama, tied=False),
     "llama, tied": functools.partial(tiny_llama, tied=True),
 }
@@ -185,6 +191,74 @@ def test_parameters_keep_their_python_attributes_and_requires_grad() -> None:
     assert materialized.weight.no_decay  # type: ignore[attr-defined]
     assert not materialized.bias.requires_grad
     assert isinstance(materialized.bias, nn.Parameter)
+
+
+def test_tensors_in_containers_and_views_of_buffers_are_materialized_and_stay_views() -> None:
+    torch.manual_seed(0)
+    eager = ViewsAndGraphs()
+    torch.manual_seed(0)
+    deferred = deferred_init(ViewsAndGraphs)
+    materialize_module(deferred)
+    assert not is_deferred(deferred)
+    for name in ("table", "head", "w", "v", "halves", "conj"):
+        assert_same_bits(getattr(eager, name), getattr(deferred, name), name)
+    assert_same_bits(eager.masks[0], deferred.masks[0])
+    assert_same_bits(eager.tables["cos"], deferred.tables["cos"])
+    assert deferred.head.untyped_storage().data_ptr() == deferred.table.untyped_storage().data_ptr()
+
+
+def test_a_tensor_that_carried_a_graph_comes_back_as_its_value() -> None:
+    deferred = materialize_module(deferred_init(ViewsAndGraphs))
+    assert deferred.product.grad_fn is None
+    assert not deferred.product.requires_grad
+    assert torch.equal(deferred.product, deferred.w.detach() * deferred.v.detach())
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.* is deprecated:FutureWarning")
+def test_old_style_weight_norm_materializes_and_trains() -> None:
+    eager, materialized = eager_and_materialized(lambda: nn.utils.weight_norm(nn.Linear(4, 5)))
+    assert_bit_identical(eager, materialized)
+    materialized(torch.ones(2, 4)).sum().backward()
+    assert materialized.weight_g.grad is not None
+
+
+def test_gradient_hooks_registered_on_deferred_parameters_still_fire() -> None:
+    calls: list[str] = []
+    deferred = deferred_init(nn.Linear, 3, 2)
+    deferred.weight.register_hook(lambda grad: calls.append("hook"))
+    deferred.bias.register_post_accumulate_grad_hook(lambda parameter: calls.append("post"))
+    materialize_module(deferred)
+    deferred(torch.ones(1, 3)).sum().backward()
+    assert sorted(calls) == ["hook", "post"]
+
+
+def test_cached_virtual_values_computed_from_fake_tensors_are_recomputed_after_materializing() -> None:
+    torch.manual_seed(0)
+    eager = CachedFromSubmodule()
+    torch.manual_seed(0)
+    deferred = deferred_init(CachedFromSubmodule)
+    materialize_module(deferred, check_fn=lambda module: module is deferred)  # the references, not the linear
+    assert is_fake(deferred.declared.value)
+    assert is_fake(deferred.undeclared.value)
+    materialize_module(deferred)
+    assert_same_bits(eager.declared.value, deferred.declared.value)
+    assert_same_bits(eager.undeclared.value, deferred.undeclared.value)
+
+
+def test_concurrent_materializations_each_give_eager_values() -> None:
+    torch.manual_seed(0)
+    eager = Stack(layers=8)
+    models = []
+    for _ in range(4):
+        torch.manual_seed(0)
+        models.append(deferred_init(Stack, layers=8))
+    threads = [threading.Thread(target=materialize_module, args=(model,)) for model in models]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for model in models:
+        assert_bit_identical(eager, model)
 
 
 def test_a_recurrent_layer_runs_after_materializing() -> None:
@@ -392,6 +466,20 @@ def test_a_spoofed_cuda_record_materializes_on_the_cpu_with_eager_cpu_values() -
     assert_bit_identical(eager, deferred)
 
 
+def test_a_cpu_part_of_a_record_with_spoofed_cuda_materializes_alone() -> None:
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(2, 2, device="cuda"), nn.Linear(2, 2))
+
+    with fake_mode(fake_cuda=True):
+        torch.manual_seed(0)
+        deferred = deferred_init(build)
+    materialize_module(deferred, check_fn=lambda module: module is deferred[1])
+    # The CUDA layer draws from CUDA's generator, not the CPU's: the CPU layer draws first on the CPU.
+    torch.manual_seed(0)
+    assert_same_bits(nn.Linear(2, 2).weight, deferred[1].weight)
+    assert is_fake(deferred[0].weight)
+
+
 # --- errors --------------------------------------------------------------------------------------------------------
 
 
@@ -460,13 +548,89 @@ def test_register_opaque_init_refuses_what_is_not_a_function() -> None:
         register_opaque_init(torch.nn.init, "normal_", mutates=-1)
 
 
-def test_reseeding_while_recording_raises() -> None:
-    def build() -> nn.Module:
-        torch.manual_seed(3)
-        return nn.Linear(2, 2)
+class Reseeding(nn.Module):
+    """Changes of the default generator between draws: a reseed, a forked generator, a state put back."""
 
-    with pytest.raises(DeferredInitError, match="changed the default CPU generator"):
-        deferred_init(build)
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(3, 3)
+        torch.manual_seed(7)
+        self.second = nn.Linear(3, 3)
+        with torch.random.fork_rng():
+            torch.manual_seed(11)
+            self.forked = nn.Parameter(torch.randn(4))
+        self.after_fork = nn.Parameter(torch.randn(4))
+        state = torch.get_rng_state()
+        self.drawn = nn.Parameter(torch.rand(2))
+        torch.set_rng_state(state)
+        self.drawn_again = nn.Parameter(torch.rand(2))
+        torch.manual_seed(3)  # last: eager construction leaves the generator here
+
+
+class PerLayerGenerator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator()
+        self.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(3))
+        for index, layer in enumerate(self.layers):
+            generator.manual_seed(100 + index)
+            nn.init.normal_(layer.weight, generator=generator)
+        self.unseeded = nn.Parameter(torch.rand(3, generator=generator))
+        self.default = nn.Parameter(torch.rand(3, generator=torch.default_generator))
+
+
+@pytest.mark.parametrize("build", [Reseeding, PerLayerGenerator])
+def test_generator_reseeds_and_explicit_generators_replay_exactly(build: Callable[[], nn.Module]) -> None:
+    eager, materialized = eager_and_materialized(build)
+    assert_bit_identical(eager, materialized)
+
+
+def test_a_generator_shared_by_the_code_and_the_caller_ends_where_eager_code_leaves_it() -> None:
+    generator = torch.Generator().manual_seed(5)
+    eager = nn.Parameter(torch.randn(6, generator=generator))
+    after_eager = torch.randn(2, generator=generator)
+    generator.manual_seed(5)
+    deferred = deferred_init(lambda: nn.ParameterList([torch.randn(6, generator=generator)]))
+    assert torch.equal(torch.randn(2, generator=generator), after_eager)  # advanced as eager code advances it
+    materialize_module(deferred)
+    assert_same_bits(eager.detach(), deferred[0].detach())
+
+
+def test_consecutive_deferred_inits_draw_in_eager_order() -> None:
+    torch.manual_seed(0)
+    eager = [Stack(), Stack(), nn.Linear(3, 3)]
+    state_after_eager = torch.get_rng_state()
+    torch.manual_seed(0)
+    deferred = [deferred_init(Stack), deferred_init(Stack), deferred_init(nn.Linear, 3, 3)]
+    for index in (1, 0, 2):  # any order; the one built last goes last, to leave the generator as eager code does
+        materialize_module(deferred[index])
+        assert_bit_identical(eager[index], deferred[index])
+    assert not torch.equal(bits(deferred[0].layers[0].weight), bits(deferred[1].layers[0].weight))
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+
+
+def test_a_reseed_between_deferred_inits_starts_the_next_from_the_seed() -> None:
+    torch.manual_seed(0)
+    first = deferred_init(Stack)
+    torch.manual_seed(0)  # the generator's state is what it was: only the reseed tells the two cases apart
+    second = deferred_init(Stack)
+    materialize_module(second)
+    materialize_module(first)
+    assert_bit_identical(first, second)
+
+
+def test_drawing_into_a_module_after_a_later_deferred_init_raises() -> None:
+    first = deferred_init(nn.Linear, 3, 3)
+    deferred_init(nn.Linear, 3, 3)
+    with pytest.raises(DeferredInitError, match="after another deferred_init call"):
+        nn.init.normal_(first.weight)
+    torch.manual_seed(1)  # a reseed makes the order irrelevant
+    nn.init.normal_(first.weight)
+
+
+def test_deferred_init_cannot_be_nested() -> None:
+    with pytest.raises(DeferredInitError, match="while another deferred_init records"):
+        deferred_init(lambda: nn.Sequential(deferred_init(nn.Linear, 2, 2)))
 
 
 def test_a_fake_tensor_from_another_mode_cannot_enter_a_record() -> None:
@@ -502,6 +666,34 @@ def test_real_tensors_handed_to_the_constructor_stay_real_and_the_rest_materiali
     assert not is_fake(real.weight)
     materialize_module(deferred)
     assert_bit_identical(eager, deferred)
+
+
+def test_storages_and_sparse_tensors_raise_naming_the_op() -> None:
+    class SetsStorage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            source = torch.randn(4)
+            self.register_buffer("alias", torch.empty(0).set_(source.untyped_storage()))
+
+    class Sparse(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("sparse", torch.randn(3, 3).to_sparse())
+
+    with pytest.raises(
+        DeferredInitError, match=r"aten.set_.source_Storage was given a UntypedStorage \(in SetsStorage"
+    ):
+        deferred_init(SetsStorage)
+    with pytest.raises(DeferredInitError, match=r"made a torch.sparse_coo tensor \(in Sparse.__init__"):
+        deferred_init(Sparse)
+
+
+def test_replacing_data_by_a_real_tensor_after_recording_raises_at_materialization() -> None:
+    deferred = deferred_init(nn.Linear, 2, 2)
+    deferred.weight.data = torch.ones(2, 2)
+    with pytest.raises(DeferredInitError, match=r"parameter 'weight' \(Linear\) had its data replaced by a real"):
+        materialize_module(deferred)
+    assert is_fake(deferred.bias)
 
 
 def test_deferred_init_needs_a_function_returning_a_module() -> None:
