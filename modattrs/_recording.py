@@ -408,7 +408,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 flat[position] = None
             elif isinstance(value, torch.device):
                 device_slots.append(position)
-            elif isinstance(value, torch.Generator) and value._cdata != torch.default_generator._cdata:
+            elif isinstance(value, torch.Generator) and not _is_default(value):
                 generators.append((position, value))
         if random is None:
             random = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
@@ -629,6 +629,12 @@ def where() -> str:
         frame = frame.f_back  # type: ignore[assignment]
     parts = [f"in {method}" if method else "outside any module", f"at {line}" if line else None]
     return ", ".join(part for part in parts if part)
+
+
+def _is_default(generator: torch.Generator) -> bool:
+    # The dispatcher hands the default generator over as a new Python object: compare what it wraps.
+    address: int = generator._cdata  # type: ignore[attr-defined]
+    return address == torch.default_generator._cdata  # type: ignore[attr-defined]
 
 
 def _name(func: Callable[..., Any]) -> str:
