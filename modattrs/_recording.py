@@ -9,7 +9,7 @@ storages ever share an address.
 Random numbers. Fake tensors draw nothing, so the real generators stay where they were while recording; what each
 random operation would have drawn is worked out at replay (``_replay``). For the default CPU generator, the record
 notes every change of its state between two random operations (``torch.manual_seed``, ``fork_rng``,
-``set_rng_state``) as a reset to replay; see ``watch_generator``. A ``torch.Generator`` passed explicitly is
+``set_rng_state``) as a reset to replay; see ``_generator``. A ``torch.Generator`` passed explicitly is
 advanced for real, on a scratch tensor, and its state before each operation is kept, so replays use it in constant
 time and the object ends where eager code leaves it.
 """
@@ -37,8 +37,8 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
-from torch.utils.weak import WeakIdKeyDictionary
 
+from modattrs import _generator
 from modattrs._fake_tensors import ModattrsFakeTensorMode
 
 __all__: list[str] = []
@@ -147,117 +147,34 @@ class Record:
 
     def __post_init__(self) -> None:
         self.last_seen = self.entry_state
-        self.reseeds_seen = reseeds
+        self.reseeds_seen = _generator.reseeds
 
     def see(self, state: torch.Tensor) -> None:
         self.last_seen = state
-        self.reseeds_seen = reseeds
+        self.reseeds_seen = _generator.reseeds
 
     def continued_by(self, state: torch.Tensor) -> bool:
         """Whether eager code starting from ``state`` now would draw after this record's draws: the generator was
         neither used nor reseeded since the record last saw it."""
-        return self.cpu_draws and reseeds == self.reseeds_seen and _same(state, self.last_seen)
-
-
-# Telling the user's changes of the default CPU generator apart. A reseed to the state it had before looks as if
-# nobody touched it, so calls to torch.manual_seed and torch.set_rng_state are counted. And a state saved with
-# torch.get_rng_state while a record is behind the generator (its draws not made yet) stands for the state after
-# those draws: restoring it (fork_rng does) resets the generator to that point of the record, not to the state saved.
-reseeds = 0
-_saved: WeakIdKeyDictionary = WeakIdKeyDictionary()  # state tensor handed out -> (record, its op count then)
-_restored: tuple[torch.Tensor, Record, int] | None = None  # the last such state put back
-_last_record: weakref.ref[Record] | None = None
-_chain_lock = threading.Lock()
-_watching = False
-
-
-def watch_generator() -> None:
-    """Wrap ``torch.manual_seed``, ``get_rng_state`` and ``set_rng_state`` (under both their names), once."""
-    global _watching
-    if _watching:
-        return
-    for owner in (torch, torch.random):
-        for name, wrap in (("manual_seed", _counted), ("set_rng_state", _restoring), ("get_rng_state", _saving)):
-            setattr(owner, name, wrap(getattr(owner, name)))
-    _watching = True
-
-
-def _counted(func: Callable[..., Any]) -> Callable[..., Any]:
-    if getattr(func, "__modattrs_watch__", False):
-        return func
-
-    @functools.wraps(func)
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        global reseeds, _restored
-        reseeds += 1
-        _restored = None
-        return func(*args, **kwargs)
-
-    counted.__modattrs_watch__ = True  # type: ignore[attr-defined]
-    return counted
-
-
-def _restoring(func: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
-    if getattr(func, "__modattrs_watch__", False):
-        return func
-
-    @functools.wraps(func)
-    def restoring(new_state: torch.Tensor) -> None:
-        global reseeds, _restored
-        reseeds += 1
-        saved = _saved.get(new_state)  # type: ignore[no-untyped-call]
-        with _disable_current_modes():
-            _restored = None if saved is None else (new_state.clone(), *saved)
-        func(new_state)
-
-    restoring.__modattrs_watch__ = True  # type: ignore[attr-defined]
-    return restoring
-
-
-def _saving(func: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    if getattr(func, "__modattrs_watch__", False):
-        return func
-
-    @functools.wraps(func)
-    def saving() -> torch.Tensor:
-        state = func()
-        record = _last_record() if _last_record is not None else None
-        if record is not None:
-            with record.lock:
-                if record.continued_by(state):
-                    _saved[state] = (record, len(record.ops))
-        return state
-
-    saving.__modattrs_watch__ = True  # type: ignore[attr-defined]
-    return saving
+        return self.cpu_draws and _generator.reseeds == self.reseeds_seen and _generator.same(state, self.last_seen)
 
 
 def new_record() -> Record:
     """A record for a new deferred_init call, whose CPU draws go on from the last record's if the generator was
     neither used nor reseeded since (eager code would draw this module's numbers after that one's)."""
-    global _last_record
-    with _chain_lock, _disable_current_modes():  # inside fake_mode too, the generator's state is a real tensor
+    with (
+        _generator.chain_lock,
+        _disable_current_modes(),
+    ):  # inside fake_mode too, the generator's state is a real tensor
         record = Record(entry_state=torch.get_rng_state())
-        previous = _last_record() if _last_record is not None else None
+        previous = _generator.last_record()
         if previous is not None:
             with previous.lock:
                 if previous.continued_by(record.entry_state):
                     record.predecessor, record.predecessor_ops = previous, len(previous.ops)
                     previous.followed = True
-        _last_record = weakref.ref(record)
+        _generator.set_last_record(record)
     return record
-
-
-def _same(state: torch.Tensor, other: torch.Tensor) -> bool:
-    with _disable_current_modes():  # generator states are real tensors, also while a fake mode records
-        return torch.equal(state, other)
-
-
-def _reset_to(state: torch.Tensor) -> torch.Tensor | tuple[Record, int]:
-    """What a draw seeing the generator changed to ``state`` resets it to: that state, or a point of a record."""
-    if _restored is not None and _same(state, _restored[0]):
-        return _restored[1], _restored[2]
-    return state
 
 
 class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untyped-call]
@@ -319,10 +236,10 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         """Record a change of the default CPU generator since its last draw (a reseed at the end of construction)."""
         with self.record.lock, _disable_current_modes():
             state = torch.get_rng_state()
-            if _same(state, self.record.last_seen) and reseeds == self.record.reseeds_seen:
+            if _generator.same(state, self.record.last_seen) and _generator.reseeds == self.record.reseeds_seen:
                 return
         self.record.see(state)
-        reset = _reset_to(state)
+        reset = _generator.reset_to(state)
         self.record.cpu_draws = True
         self.record.ops.append(
             Op(
@@ -487,12 +404,12 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         record = self.record
         with _disable_current_modes():
             state = torch.get_rng_state()
-            changed = not _same(state, record.last_seen)
+            changed = not _generator.same(state, record.last_seen)
         record.cpu_draws = True
-        changed = changed or reseeds != record.reseeds_seen
+        changed = changed or _generator.reseeds != record.reseeds_seen
         if changed:
             record.see(state)
-            return _reset_to(state)
+            return _generator.reset_to(state)
         if record.followed:
             raise DeferredInitError(
                 f"random numbers drawn into a deferred module ({where()}) after another deferred_init call went on "
@@ -634,7 +551,8 @@ def where() -> str:
 def _is_default(generator: torch.Generator) -> bool:
     # The dispatcher hands the default generator over as a new Python object: compare what it wraps.
     address: int = generator._cdata  # type: ignore[attr-defined]
-    return address == torch.default_generator._cdata  # type: ignore[attr-defined]
+    default: int = torch.default_generator._cdata  # type: ignore[attr-defined]
+    return address == default
 
 
 def _name(func: Callable[..., Any]) -> str:

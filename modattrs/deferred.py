@@ -22,8 +22,9 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from modattrs import _generator
 from modattrs._fake_tensors import ModattrsFakeTensorMode, install_process_hooks
-from modattrs._recording import DeferredInitError, RecordingFakeTensorMode, new_record, watch_generator
+from modattrs._recording import DeferredInitError, RecordingFakeTensorMode, new_record
 from modattrs._replay import replay
 from modattrs.virtual import VirtualTensor
 
@@ -61,7 +62,7 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
         )
     install_process_hooks()
     _register_builtin_opaque_inits()
-    watch_generator()
+    _generator.watch()
     record = new_record()
     mode = RecordingFakeTensorMode(record)
     _recording.active = True
