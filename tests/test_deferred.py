@@ -712,6 +712,28 @@ def test_the_deferred_module_is_fake_on_the_recorded_device_and_is_deferred_says
     assert not is_deferred(torch.ones(2))
 
 
+IMPORT_CHANGES_NOTHING = """
+    import torch
+    before = [torch.manual_seed, torch.get_rng_state, torch.set_rng_state, torch.nn.init._no_grad_trunc_normal_]
+    import modattrs, modattrs.fake, modattrs.deferred
+    after = [torch.manual_seed, torch.get_rng_state, torch.set_rng_state, torch.nn.init._no_grad_trunc_normal_]
+    print(all(a is b for a, b in zip(before, after)))
+    modattrs.deferred.deferred_init(torch.nn.Linear, 2, 2)
+    print(torch.manual_seed is before[0], torch.manual_seed(0) is torch.default_generator)
+"""
+
+
+def test_importing_changes_nothing_in_torch_and_the_first_use_wraps_the_generator_functions() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(IMPORT_CHANGES_NOTHING)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert result.stdout.split() == ["True", "False", "True"]
+
+
 def test_the_public_names_are_the_module_all() -> None:
     assert sorted(modattrs.deferred.__all__) == [
         "DeferredInitError",
