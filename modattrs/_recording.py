@@ -129,7 +129,8 @@ class Op:
 class Record:
     """Everything that happened to the tensors of one ``deferred_init`` call, in order."""
 
-    entry_state: torch.Tensor  # of the default CPU generator, when recording began
+    entry_state: torch.Tensor  # of the default CPU generator when recording began; with a predecessor, the state
+    # after its draws, once worked out
     ops: list[Op] = field(default_factory=list)
     keys: dict[Key, int] = field(default_factory=dict)
     storages: dict[int, torch.UntypedStorage] = field(default_factory=dict)

@@ -126,9 +126,10 @@ def _set_cpu_state(state: torch.Tensor) -> None:
 
 
 def _start_state(record: Record) -> torch.Tensor:
-    if record.predecessor is None:
-        return record.entry_state
-    return state_after(record.predecessor, record.predecessor_ops)
+    if record.predecessor is not None:  # worked out once; then the predecessor, its ops and tensors can go
+        record.entry_state = state_after(record.predecessor, record.predecessor_ops)
+        record.predecessor = None
+    return record.entry_state
 
 
 def _draws_on_cpu(op: Op, device: torch.device | None) -> bool:
