@@ -1,20 +1,23 @@
-"""Watching the user's changes of the default CPU generator while records are behind it (see ``_recording``).
+"""Where the default CPU generator is, as eager code would see it, while records are behind it.
 
-A reseed to the state the generator had before looks as if nobody touched it, so calls to ``torch.manual_seed`` and
-``torch.set_rng_state`` are counted. And a state saved with ``torch.get_rng_state`` while a record is behind the
-generator (its draws not made yet) stands for the state after those draws: restoring it, as ``fork_rng`` does,
-resets the generator to that point of the record, not to the state saved.
+Fake tensors draw nothing, so while modules are recorded the real generator stays put, and eager code would be
+further on: after the draws recorded so far. That *position* is a point of a record, ``(record, n)``, meaning "the
+state after the first n operations of that record drew"; each recorded draw moves it. It holds for as long as the
+real generator is untouched: ``torch.manual_seed`` or ``torch.set_rng_state`` with any other state puts the
+position back on the real state. The functions that do it are wrapped, once, to see this (a reseed to the state the
+generator had would otherwise look as if nothing happened), and ``torch.get_rng_state`` tags the state it returns
+with the position, so that putting it back (``fork_rng`` does) returns to that point rather than to the stale state.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -23,38 +26,71 @@ if TYPE_CHECKING:
 
 __all__: list[str] = []
 
-reseeds = 0
-_saved: WeakIdKeyDictionary = WeakIdKeyDictionary()  # state tensor handed out -> (record, its op count then)
-_restored: tuple[torch.Tensor, Record, int] | None = None  # the last such state put back
-_last_record: weakref.ref[Record] | None = None
-chain_lock = threading.Lock()  # held while a new record looks at the last one
+Point = tuple["Record", int]
+Position = Union[torch.Tensor, Point]  # noqa: UP007 (evaluated at runtime on Python 3.10)
+
+lock = threading.RLock()
+epoch = 0  # counts manual_seed and set_rng_state calls that leave the points of records
+_point: Point | None = None  # where eager code would be, valid while the real generator is as it was then
+_point_state: torch.Tensor | None = None
+_point_epoch = 0
+_tags: WeakIdKeyDictionary = WeakIdKeyDictionary()  # state tensor handed out by get_rng_state -> the point then
 _watching = False
+
+
+def position() -> Position:
+    """Where the default CPU generator is now: a point of a record, or its real state."""
+    with lock:
+        state = real_state()
+        if _point is not None and _point_epoch == epoch and same(state, _point_state):
+            return _point
+        return state
+
+
+def move_to(point: Point) -> None:
+    """Note that eager code would now be at ``point``: a record drew (or a state tagged with it was put back)."""
+    global _point, _point_state, _point_epoch
+    with lock:
+        _point, _point_state, _point_epoch = point, real_state(), epoch
+
+
+def real_state() -> torch.Tensor:
+    with _disable_current_modes():  # inside fake modes too, a generator's state is a real tensor
+        return torch.default_generator.get_state()
+
+
+def same(state: torch.Tensor, other: torch.Tensor | None) -> bool:
+    if other is None:
+        return False
+    with _disable_current_modes():
+        return torch.equal(state, other)
 
 
 def watch() -> None:
     """Wrap ``torch.manual_seed``, ``get_rng_state`` and ``set_rng_state`` (under both their names), once."""
     global _watching
-    if _watching:
-        return
-    for owner in (torch, torch.random):
-        for name, wrap in (("manual_seed", _counted), ("set_rng_state", _restoring), ("get_rng_state", _saving)):
-            setattr(owner, name, wrap(getattr(owner, name)))
-    _watching = True
+    with lock:
+        if _watching:
+            return
+        for owner in (torch, torch.random):
+            for name, wrap in (("manual_seed", _seeding), ("set_rng_state", _restoring), ("get_rng_state", _saving)):
+                setattr(owner, name, wrap(getattr(owner, name)))
+        _watching = True
 
 
-def _counted(func: Callable[..., Any]) -> Callable[..., Any]:
+def _seeding(func: Callable[..., Any]) -> Callable[..., Any]:
     if getattr(func, "__modattrs_watch__", False):
         return func
 
     @functools.wraps(func)
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        global reseeds, _restored
-        reseeds += 1
-        _restored = None
-        return func(*args, **kwargs)
+    def seeding(*args: Any, **kwargs: Any) -> Any:
+        global epoch
+        with lock:
+            epoch += 1
+            return func(*args, **kwargs)
 
-    counted.__modattrs_watch__ = True  # type: ignore[attr-defined]
-    return counted
+    seeding.__modattrs_watch__ = True  # type: ignore[attr-defined]
+    return seeding
 
 
 def _restoring(func: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
@@ -63,12 +99,21 @@ def _restoring(func: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor],
 
     @functools.wraps(func)
     def restoring(new_state: torch.Tensor) -> None:
-        global reseeds, _restored
-        reseeds += 1
-        saved = _saved.get(new_state)  # type: ignore[no-untyped-call]
-        with _disable_current_modes():
-            _restored = None if saved is None else (new_state.clone(), *saved)
-        func(new_state)
+        global epoch
+        if isinstance(new_state, FakeTensor):
+            from modattrs._recording import DeferredInitError
+
+            raise DeferredInitError(
+                "torch.set_rng_state was given a fake tensor: a generator state copied (.clone()) while deferred_init "
+                "records is fake. Put back the tensor torch.get_rng_state returned, unchanged, or use fork_rng"
+            )
+        with lock:
+            point = _tags.get(new_state)  # type: ignore[no-untyped-call]
+            func(new_state)
+            if point is None:
+                epoch += 1
+            else:
+                move_to(point)
 
     restoring.__modattrs_watch__ = True  # type: ignore[attr-defined]
     return restoring
@@ -80,35 +125,12 @@ def _saving(func: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
 
     @functools.wraps(func)
     def saving() -> torch.Tensor:
-        state = func()
-        record = last_record()
-        if record is not None:
-            with record.lock:
-                if record.continued_by(state):
-                    _saved[state] = (record, len(record.ops))
-        return state
+        with lock:
+            state = func()
+            where = position()
+            if not isinstance(where, torch.Tensor):
+                _tags[state] = where
+            return state
 
     saving.__modattrs_watch__ = True  # type: ignore[attr-defined]
     return saving
-
-
-def same(state: torch.Tensor, other: torch.Tensor) -> bool:
-    with _disable_current_modes():  # generator states are real tensors, also while a fake mode records
-        return torch.equal(state, other)
-
-
-def reset_to(state: torch.Tensor) -> torch.Tensor | tuple[Record, int]:
-    """What a draw seeing the generator changed to ``state`` resets it to: that state, or a point of a record."""
-    if _restored is not None and same(state, _restored[0]):
-        return _restored[1], _restored[2]
-    return state
-
-
-def last_record() -> Record | None:
-    """The record of the last deferred_init call, if it is alive."""
-    return _last_record() if _last_record is not None else None
-
-
-def set_last_record(record: Record) -> None:
-    global _last_record
-    _last_record = weakref.ref(record)

@@ -40,6 +40,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from modattrs import _generator
 from modattrs._fake_tensors import ModattrsFakeTensorMode
+from modattrs._generator import Position
 
 __all__: list[str] = []
 
@@ -88,8 +89,7 @@ class Op:
     writes: frozenset[int]  # storages written in place
     draws: Draws
     device: torch.device | None  # where it ran: the device of its result, or of what it wrote
-    reset: torch.Tensor | tuple[Record, int] | None  # for CPU draws: the state the default CPU generator was set to
-    # before it, as a tensor or as a point in a record (the state after that many of its operations drew)
+    reset: Position | None  # for draws: where the default CPU generator was set to before it (see _generator)
     pinned: bool  # draws from a default generator and reads fake tensors: it runs in every replay
     default_dtype: torch.dtype
 
@@ -125,57 +125,28 @@ class Op:
         return tree_unflatten(flat, self.spec)  # type: ignore[no-any-return]
 
 
-@dataclass  # no slots: deferred_init keeps a weak reference to the last record
+@dataclass
 class Record:
     """Everything that happened to the tensors of one ``deferred_init`` call, in order."""
 
-    entry_state: torch.Tensor  # of the default CPU generator when recording began; with a predecessor, the state
-    # after its draws, once worked out
+    start: Position  # of the default CPU generator when recording began (see _generator)
     ops: list[Op] = field(default_factory=list)
     keys: dict[Key, int] = field(default_factory=dict)
     storages: dict[int, torch.UntypedStorage] = field(default_factory=dict)
     ref_count: int = 0
     root: weakref.ref[torch.nn.Module] | None = None  # what deferred_init returned
-    # The default CPU generator: its state as last seen, and the record whose draws come before this one's.
-    last_seen: torch.Tensor = field(init=False)
-    reseeds_seen: int = field(init=False)  # the count of reseeds (see count_reseeds) when last_seen was taken
-    cpu_draws: bool = False
-    predecessor: Record | None = None
-    predecessor_ops: int = 0
-    followed: bool = False  # another record continues this one's CPU draws
+    point: Position = field(init=False)  # the default CPU generator's position after the record's last draw
+    epoch: int = field(init=False)  # _generator.epoch at the record's last draw on another device
     states_after: dict[int, torch.Tensor] = field(default_factory=dict)  # CPU state after the first n ops
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     def __post_init__(self) -> None:
-        self.last_seen = self.entry_state
-        self.reseeds_seen = _generator.reseeds
-
-    def see(self, state: torch.Tensor) -> None:
-        self.last_seen = state
-        self.reseeds_seen = _generator.reseeds
-
-    def continued_by(self, state: torch.Tensor) -> bool:
-        """Whether eager code starting from ``state`` now would draw after this record's draws: the generator was
-        neither used nor reseeded since the record last saw it."""
-        return self.cpu_draws and _generator.reseeds == self.reseeds_seen and _generator.same(state, self.last_seen)
+        self.point = self.start
+        self.epoch = _generator.epoch
 
 
 def new_record() -> Record:
-    """A record for a new deferred_init call, whose CPU draws go on from the last record's if the generator was
-    neither used nor reseeded since (eager code would draw this module's numbers after that one's)."""
-    with (
-        _generator.chain_lock,
-        _disable_current_modes(),
-    ):  # inside fake_mode too, the generator's state is a real tensor
-        record = Record(entry_state=torch.get_rng_state())
-        previous = _generator.last_record()
-        if previous is not None:
-            with previous.lock:
-                if previous.continued_by(record.entry_state):
-                    record.predecessor, record.predecessor_ops = previous, len(previous.ops)
-                    previous.followed = True
-        _generator.set_last_record(record)
-    return record
+    return Record(start=_generator.position())
 
 
 class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untyped-call]
@@ -234,34 +205,32 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         return args[mutates]
 
     def note_generator(self) -> None:
-        """Record a change of the default CPU generator since its last draw (a reseed at the end of construction)."""
-        with self.record.lock, _disable_current_modes():
-            state = torch.get_rng_state()
-            if _generator.same(state, self.record.last_seen) and _generator.reseeds == self.record.reseeds_seen:
+        """Record where the default CPU generator is if it moved since the last draw (a reseed at the end of
+        construction), so that a full replay leaves it there."""
+        with self.record.lock, _generator.lock:
+            reset = self._cpu_reset()
+            if reset is None:
                 return
-        self.record.see(state)
-        reset = _generator.reset_to(state)
-        self.record.cpu_draws = True
-        self.record.ops.append(
-            Op(
-                func=_no_draw,
-                flat=[],
-                spec=tree_flatten(((), {}))[1],
-                slots=(),
-                constant_slots=(),
-                device_slots=(),
-                generator_states=(),
-                in_refs=frozenset(),
-                in_storages=frozenset(),
-                out_refs=(),
-                writes=frozenset(),
-                draws=Draws.DEFAULT,
-                device=torch.device("cpu"),
-                reset=reset,
-                pinned=False,
-                default_dtype=torch.get_default_dtype(),
+            self._append(
+                Op(
+                    func=_no_draw,
+                    flat=[],
+                    spec=tree_flatten(((), {}))[1],
+                    slots=(),
+                    constant_slots=(),
+                    device_slots=(),
+                    generator_states=(),
+                    in_refs=frozenset(),
+                    in_storages=frozenset(),
+                    out_refs=(),
+                    writes=frozenset(),
+                    draws=Draws.DEFAULT,
+                    device=torch.device("cpu"),
+                    reset=reset,
+                    pinned=False,
+                    default_dtype=torch.get_default_dtype(),
+                )
             )
-        )
 
     def ref_of(self, tensor: FakeTensor) -> int | None:
         """The record's name for ``tensor``, or None if the record cannot account for it."""
@@ -373,11 +342,14 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         if device is None:
             device = next((slot.device for slot in pending.slots if slot.written), None)
         generator_states: tuple[tuple[int, torch.Tensor], ...] = ()
-        reset = None
         if pending.draws is Draws.EXPLICIT:
+            if pending.func in _VALUE_DEPENDENT_DRAWS and any(not slot.written for slot in pending.slots):
+                raise DeferredInitError(
+                    f"{_name(pending.func)} draws from a torch.Generator as many numbers as the values of its fake "
+                    f"inputs say ({where()}), which cannot be known while recording; draw from the default generator "
+                    "or do this after materialize_module"
+                )
             generator_states = tuple((position, g.get_state()) for position, g in pending.generators)
-        elif pending.draws is Draws.DEFAULT and device is not None and device.type == "cpu":
-            reset = self._note_cpu_draw()
         op = Op(
             func=pending.func,
             flat=pending.flat,
@@ -392,33 +364,41 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             writes=frozenset(writes),
             draws=pending.draws,
             device=device,
-            reset=reset,
+            reset=None,
             pinned=pending.draws is Draws.DEFAULT and any(not slot.written for slot in pending.slots),
             default_dtype=torch.get_default_dtype(),
         )
         if pending.draws is Draws.EXPLICIT:
             _advance(op, dict(pending.generators))  # so the generator object ends where eager code leaves it
+        if pending.draws is Draws.DEFAULT and device is not None and device.type == "cpu":
+            with _generator.lock:
+                op.reset = self._cpu_reset()
+                self._append(op)
+            return
+        if pending.draws is Draws.DEFAULT and _generator.epoch != record.epoch:
+            # Another device's generator: eager code on the CPU (device='cpu' at materialization) would have used
+            # the CPU generator, reseeded here.
+            op.reset = _generator.real_state()
+            record.epoch = _generator.epoch
         record.ops.append(op)
 
-    def _note_cpu_draw(self) -> torch.Tensor | tuple[Record, int] | None:
-        """Note a draw from the default CPU generator; return its state if it was changed since the last one."""
-        record = self.record
-        with _disable_current_modes():
-            state = torch.get_rng_state()
-            changed = not _generator.same(state, record.last_seen)
-        record.cpu_draws = True
-        changed = changed or _generator.reseeds != record.reseeds_seen
-        if changed:
-            record.see(state)
-            return _generator.reset_to(state)
-        if record.followed:
-            raise DeferredInitError(
-                f"random numbers drawn into a deferred module ({where()}) after another deferred_init call went on "
-                "from where this module's draws end: eager code would draw them after that module's, which the "
-                "records cannot replay. Initialize this module before the later deferred_init call, or seed the "
-                "generator first"
-            )
-        return None
+    def _cpu_reset(self) -> Position | None:
+        """Where the default CPU generator is before a draw, unless it is where this record's last draw left it."""
+        where = _generator.position()
+        if where is self.record.point or (
+            isinstance(where, torch.Tensor)
+            and isinstance(self.record.point, torch.Tensor)
+            and _generator.same(where, self.record.point)
+        ):
+            return None
+        return where
+
+    def _append(self, op: Op) -> None:
+        """Append a draw from the default CPU generator, which moves the generator's position past it."""
+        self.record.ops.append(op)
+        point = (self.record, len(self.record.ops))
+        self.record.point = point
+        _generator.move_to(point)
 
     def _ref_of(self, tensor: FakeTensor, func: object) -> int:
         if tensor.fake_mode is not self:
@@ -500,6 +480,17 @@ def _advance(op: Op, generators: Mapping[int, torch.Generator]) -> None:
         args, kwargs = tree_unflatten(flat, op.spec)
         op.func(*args, **kwargs)
 
+
+# Random operations that draw as many numbers as their inputs' values say.
+_VALUE_DEPENDENT_DRAWS = frozenset(
+    {
+        torch.ops.aten.poisson.default,
+        torch.ops.aten.binomial.default,
+        torch.ops.aten._standard_gamma.default,
+        torch.ops.aten._sample_dirichlet.default,
+        torch.ops.aten.multinomial.default,
+    }
+)
 
 _MUTATED: dict[Any, tuple[tuple[int, str], ...]] = {}
 

@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
+from modattrs._generator import Position
 from modattrs._recording import DeferredInitError, Draws, Op, Record, scratch_arguments
 
 __all__: list[str] = []
@@ -43,7 +44,7 @@ def replay(
         stop = len(ops) if to_end else max(kept, default=-1) + 1
         _check_devices(ops, kept, device)
         env: dict[int, torch.Tensor] = {}
-        saved = torch.get_rng_state()
+        saved = torch.default_generator.get_state()
         default_dtype = torch.get_default_dtype()
         done = False
         try:
@@ -54,7 +55,7 @@ def replay(
             torch.set_default_dtype(default_dtype)
             if done and to_end:
                 if device is None:
-                    record.states_after[len(ops)] = torch.get_rng_state()
+                    record.states_after[len(ops)] = torch.default_generator.get_state()
             else:
                 _set_cpu_state(saved)
         return {ref: env[ref] for ref in targets}
@@ -62,16 +63,19 @@ def replay(
 
 def state_after(record: Record, count: int) -> torch.Tensor:
     """The default CPU generator's state after the first ``count`` operations of ``record`` drew, as in eager code."""
-    state = record.states_after.get(count)
-    if state is not None:
-        return state
     with _lock, record.lock:
-        saved = torch.get_rng_state()
+        state = record.states_after.get(count)
+        if state is not None:
+            return state
+        saved = torch.default_generator.get_state()
+        default_dtype = torch.get_default_dtype()
+        ops = record.ops[:count]
         try:
             with torch.no_grad(), _disable_current_modes():
-                _run_all(record, record.ops[:count], set(), {}, {}, None, to_end=True)
-            state = torch.get_rng_state()
+                _run_all(record, ops, _slice(ops, {}), {}, {}, None, to_end=True)  # draws that read data run
+            state = torch.default_generator.get_state()
         finally:
+            torch.set_default_dtype(default_dtype)
             _set_cpu_state(saved)
         record.states_after[count] = state
         return state
@@ -94,23 +98,21 @@ def _run_all(
     limit = first_kept if first_kept is not None or not to_end else (draws[-1] if draws else None)
     start = None
     if to_end and not draws:
-        _set_cpu_state(_start_state(record))  # no draws: eager construction leaves the generator as it found it
+        _set_cpu_state(_resolve(record.start))  # no draws: eager construction leaves the generator as it found it
     if limit is not None:
         resets = [index for index in draws if index <= limit and ops[index].reset is not None]
         start = resets[-1] if resets else draws[0]
         if not resets:
-            _set_cpu_state(_start_state(record))
+            _set_cpu_state(_resolve(record.start))
     frees = _last_uses(ops, kept, targets)
-    dtype = torch.get_default_dtype()
     for index, op in enumerate(ops):
         random_here = start is not None and index >= start and _draws_on_cpu(op, device)
         if random_here and op.reset is not None:
-            _set_cpu_state(op.reset if isinstance(op.reset, torch.Tensor) else state_after(*op.reset))
+            _set_cpu_state(_resolve(op.reset))
         if index not in kept and not random_here:
             continue
-        if op.default_dtype is not dtype:
+        if op.default_dtype is not torch.get_default_dtype():
             torch.set_default_dtype(op.default_dtype)
-            dtype = op.default_dtype
         if index in kept:
             _run(op, env, device)
             for ref in frees.get(index, ()):
@@ -121,15 +123,12 @@ def _run_all(
 
 
 def _set_cpu_state(state: torch.Tensor) -> None:
-    # Not torch.set_rng_state: modattrs counts the calls to that one as reseeds by the user (see _recording).
+    # Not torch.set_rng_state: modattrs watches that one for the user's changes (see _generator).
     torch.default_generator.set_state(state)
 
 
-def _start_state(record: Record) -> torch.Tensor:
-    if record.predecessor is not None:  # worked out once; then the predecessor, its ops and tensors can go
-        record.entry_state = state_after(record.predecessor, record.predecessor_ops)
-        record.predecessor = None
-    return record.entry_state
+def _resolve(position: Position) -> torch.Tensor:
+    return position if isinstance(position, torch.Tensor) else state_after(*position)
 
 
 def _draws_on_cpu(op: Op, device: torch.device | None) -> bool:

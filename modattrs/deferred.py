@@ -51,8 +51,7 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
 
     Raises:
         DeferredInitError: the code reads values of its tensors (``.item()``, ``if t.any():``), which do not exist
-            yet, or it reseeded or drew from the default CPU generator outside fake tensors; the message names the
-            operation and where it ran.
+            yet, or does something else that cannot be recorded; the message names the operation and where it ran.
         TypeError: ``module_fn`` did not return a module.
     """
     if getattr(_recording, "active", False):

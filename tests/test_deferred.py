@@ -619,13 +619,73 @@ def test_a_reseed_between_deferred_inits_starts_the_next_from_the_seed() -> None
     assert_bit_identical(first, second)
 
 
-def test_drawing_into_a_module_after_a_later_deferred_init_raises() -> None:
-    first = deferred_init(nn.Linear, 3, 3)
-    deferred_init(nn.Linear, 3, 3)
-    with pytest.raises(DeferredInitError, match="after another deferred_init call"):
-        nn.init.normal_(first.weight)
-    torch.manual_seed(1)  # a reseed makes the order irrelevant
-    nn.init.normal_(first.weight)
+def interleaved(build: Callable[[int, int], nn.Linear]) -> tuple[nn.Linear, nn.Linear]:
+    """Two modules built, then initialized in turns, with reseeds, forks and saved states in between."""
+    torch.manual_seed(0)
+    first, second = build(3, 3), build(3, 3)
+    nn.init.normal_(first.weight)  # after the second module's construction
+    with torch.random.fork_rng():
+        nn.init.normal_(second.weight)
+    saved = torch.get_rng_state()
+    nn.init.normal_(first.bias)
+    torch.set_rng_state(saved)
+    nn.init.normal_(second.bias)
+    torch.manual_seed(42)
+    nn.init.uniform_(second.weight)
+    nn.init.uniform_(first.weight)
+    return first, second
+
+
+def test_modules_initialized_in_turns_after_deferred_init_draw_in_eager_order() -> None:
+    eager = interleaved(nn.Linear)
+    state_after_eager = torch.get_rng_state()
+    deferred = interleaved(functools.partial(deferred_init, nn.Linear))
+    materialize_module(deferred[1])
+    materialize_module(deferred[0])  # the last to draw goes last, to leave the generator as eager code does
+    for expected, got in zip(eager, deferred, strict=True):
+        assert_bit_identical(expected, got)
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+
+
+def test_a_module_that_draws_nothing_or_a_fork_in_between_keeps_the_order() -> None:
+    def build(defer: bool) -> list[nn.Module]:
+        make = functools.partial(deferred_init) if defer else (lambda f, *a: f(*a))
+        torch.manual_seed(0)
+        modules = [make(nn.Linear, 3, 3), make(nn.LayerNorm, 3)]
+        with torch.random.fork_rng():
+            pass
+        modules.append(make(nn.Linear, 3, 3))
+        return modules
+
+    eager = build(defer=False)
+    for module in reversed(deferred := build(defer=True)):
+        materialize_module(module)
+    for expected, got in zip(eager, deferred, strict=True):
+        assert_bit_identical(expected, got)
+
+
+def test_draws_that_depend_on_fake_values_from_an_explicit_generator_raise() -> None:
+    generator = torch.Generator().manual_seed(0)
+
+    class Poisson(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("counts", torch.poisson(torch.rand(4) * 5, generator=generator))
+
+    with pytest.raises(DeferredInitError, match=r"aten.poisson.default draws from a torch.Generator"):
+        deferred_init(Poisson)
+
+
+def test_a_generator_state_copied_while_recording_cannot_be_put_back() -> None:
+    class CopiesState(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            state = torch.get_rng_state().clone()
+            self.weight = nn.Parameter(torch.randn(2))
+            torch.set_rng_state(state)
+
+    with pytest.raises(DeferredInitError, match="set_rng_state was given a fake tensor"):
+        deferred_init(CopiesState)
 
 
 def test_deferred_init_cannot_be_nested() -> None:
