@@ -54,7 +54,7 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
             yet, or does something else that cannot be recorded; the message names the operation and where it ran.
         TypeError: ``module_fn`` did not return a module.
     """
-    if getattr(_recording, "active", False):
+    if getattr(_this_thread, "recording", False):
         raise DeferredInitError(
             f"deferred_init({_name_of(module_fn)}) was called while another deferred_init records; build the inner "
             "module directly: everything inside the outer call is deferred already"
@@ -64,7 +64,7 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
     _generator.watch()
     record = new_record()
     mode = RecordingFakeTensorMode(record)
-    _recording.active = True
+    _this_thread.recording = True
     try:
         with mode:
             module = module_fn(*args, **kwargs)
@@ -72,7 +72,7 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
                 _detach_graphs(module)
         mode.note_generator()  # a reseed after the last draw still sets where eager construction leaves it
     finally:
-        _recording.active = False
+        _this_thread.recording = False
     if not isinstance(module, nn.Module):
         raise TypeError(
             f"deferred_init expects a function returning a module; {_name_of(module_fn)} returned "
@@ -86,7 +86,7 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
     return module
 
 
-_recording = threading.local()
+_this_thread = threading.local()
 _roots: weakref.WeakKeyDictionary[nn.Module, RecordingFakeTensorMode] = weakref.WeakKeyDictionary()
 
 
@@ -126,10 +126,10 @@ def materialize_module(
     parameters stay parameters, with their ``requires_grad`` and attributes; tied and aliased tensors stay so.
     Tensors that alias a chosen one (views of one storage) are materialized with it, so they stay aliased.
 
-    The default CPU generator is set to its state when :func:`deferred_init` began before replaying, so every
-    materialization draws the same numbers. Materializing all of what :func:`deferred_init` returned (no
-    ``check_fn``, not ``buffers_only``) leaves the generator where eager construction would have left it; a
-    partial materialization puts it back as it found it.
+    Replays draw from the default CPU generator what eager construction drew, from where eager code had it when
+    :func:`deferred_init` began, so every materialization draws the same numbers. Materializing all of what
+    :func:`deferred_init` returned (no ``check_fn``, not ``buffers_only``) leaves the generator where eager code
+    would have it after that module's last draw; a partial materialization puts it back as it found it.
 
     Args:
         module: the module :func:`deferred_init` returned, or any of its submodules.
