@@ -7,11 +7,11 @@ geometry, though. Every storage the record has seen is kept alive (a fake storag
 storages ever share an address.
 
 Random numbers. Fake tensors draw nothing, so the real generators stay where they were while recording; what each
-random operation would have drawn is worked out at replay (``_replay``). For the default CPU generator, the record
-notes every change of its state between two random operations (``torch.manual_seed``, ``fork_rng``,
-``set_rng_state``) as a reset to replay; see ``_generator``. A ``torch.Generator`` passed explicitly is
-advanced for real, on a scratch tensor, and its state before each operation is kept, so replays use it in constant
-time and the object ends where eager code leaves it.
+random operation would have drawn is worked out at replay (``_replay``). A draw from the default CPU generator
+notes where eager code would have the generator before it (see ``_generator``) when that is not where the record's
+previous draw left it: after a reseed, a ``fork_rng``, or draws recorded by another module in between. A
+``torch.Generator`` passed explicitly is advanced for real, on a scratch tensor, and its state before each operation
+is kept, so replays use it in constant time and the object ends where eager code leaves it.
 """
 
 from __future__ import annotations
