@@ -29,6 +29,7 @@ __all__: list[str] = []
 Point = tuple["Record", int]
 Position = Union[torch.Tensor, Point]  # noqa: UP007 (evaluated at runtime on Python 3.10)
 
+# Held by every recorded operation, every replay, and the wrapped functions: they all read or set the generator.
 lock = threading.RLock()
 epoch = 0  # counts manual_seed and set_rng_state calls that leave the points of records
 _point: Point | None = None  # where eager code would be, valid while the real generator is as it was then
@@ -40,10 +41,12 @@ _watching = False
 
 def position() -> Position:
     """Where the default CPU generator is now: a point of a record, or its real state."""
+    global _point, _point_state
     with lock:
         state = real_state()
         if _point is not None and _point_epoch == epoch and same(state, _point_state):
             return _point
+        _point = _point_state = None  # gone for good: let its record go
         return state
 
 
@@ -84,9 +87,10 @@ def _seeding(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def seeding(*args: Any, **kwargs: Any) -> Any:
-        global epoch
+        global epoch, _point
         with lock:
             epoch += 1
+            _point = None
             return func(*args, **kwargs)
 
     seeding.__modattrs_watch__ = True  # type: ignore[attr-defined]
@@ -99,7 +103,7 @@ def _restoring(func: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor],
 
     @functools.wraps(func)
     def restoring(new_state: torch.Tensor) -> None:
-        global epoch
+        global epoch, _point
         if isinstance(new_state, FakeTensor):
             from modattrs._recording import DeferredInitError
 
@@ -112,6 +116,7 @@ def _restoring(func: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor],
             func(new_state)
             if point is None:
                 epoch += 1
+                _point = None
             else:
                 move_to(point)
 

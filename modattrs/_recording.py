@@ -125,7 +125,7 @@ class Op:
         return tree_unflatten(flat, self.spec)  # type: ignore[no-any-return]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: points of records are compared with `is`
 class Record:
     """Everything that happened to the tensors of one ``deferred_init`` call, in order."""
 
@@ -136,13 +136,13 @@ class Record:
     ref_count: int = 0
     root: weakref.ref[torch.nn.Module] | None = None  # what deferred_init returned
     point: Position = field(init=False)  # the default CPU generator's position after the record's last draw
+    point_epoch: int = field(init=False)  # _generator.epoch then: a reseed since makes the point history
     epoch: int = field(init=False)  # _generator.epoch at the record's last draw on another device
     states_after: dict[int, torch.Tensor] = field(default_factory=dict)  # CPU state after the first n ops
-    lock: threading.RLock = field(default_factory=threading.RLock)
 
     def __post_init__(self) -> None:
         self.point = self.start
-        self.epoch = _generator.epoch
+        self.epoch = self.point_epoch = _generator.epoch
 
 
 def new_record() -> Record:
@@ -173,7 +173,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         if depth:
             return super().__torch_dispatch__(func, types, args, kwargs)
         kwargs = kwargs or {}
-        with self.record.lock:
+        with _generator.lock:
             pending = self._begin(func, args, kwargs, _mutated_arguments(func, args, kwargs), None)
             self._depth.n = 1
             try:
@@ -199,7 +199,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], mutates: int
     ) -> Any:
         """Record ``func(*args, **kwargs)`` as one call that writes ``args[mutates]`` in place, without running it."""
-        with self.record.lock:
+        with _generator.lock:
             pending = self._begin(func, args, kwargs, (args[mutates],), True)
             self._finish(pending, args[mutates])
         return args[mutates]
@@ -207,7 +207,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
     def note_generator(self) -> None:
         """Record where the default CPU generator is if it moved since the last draw (a reseed at the end of
         construction), so that a full replay leaves it there."""
-        with self.record.lock, _generator.lock:
+        with _generator.lock:
             reset = self._cpu_reset()
             if reset is None:
                 return
@@ -234,11 +234,11 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
 
     def ref_of(self, tensor: FakeTensor) -> int | None:
         """The record's name for ``tensor``, or None if the record cannot account for it."""
-        with self.record.lock:
+        with _generator.lock:
             return self.record.keys.get(self._key_of(tensor))
 
     def storage_of(self, tensor: FakeTensor) -> int:
-        with self.record.lock:
+        with _generator.lock:
             return self._storage_of(tensor)
 
     def forget(self, tensor: FakeTensor) -> None:
@@ -371,9 +371,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         if pending.draws is Draws.EXPLICIT:
             _advance(op, dict(pending.generators))  # so the generator object ends where eager code leaves it
         if pending.draws is Draws.DEFAULT and device is not None and device.type == "cpu":
-            with _generator.lock:
-                op.reset = self._cpu_reset()
-                self._append(op)
+            op.reset = self._cpu_reset()
+            self._append(op)
             return
         if pending.draws is Draws.DEFAULT and _generator.epoch != record.epoch:
             # Another device's generator: eager code on the CPU (device='cpu' at materialization) would have used
@@ -397,7 +396,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         """Append a draw from the default CPU generator, which moves the generator's position past it."""
         self.record.ops.append(op)
         point = (self.record, len(self.record.ops))
-        self.record.point = point
+        self.record.point, self.record.point_epoch = point, _generator.epoch
         _generator.move_to(point)
 
     def _ref_of(self, tensor: FakeTensor, func: object) -> int:

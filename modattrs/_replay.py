@@ -13,20 +13,17 @@ state and need nothing of the kind. The generators of other devices are used as 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Mapping
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
+from modattrs import _generator
 from modattrs._generator import Position
 from modattrs._recording import DeferredInitError, Draws, Op, Record, scratch_arguments
 
 __all__: list[str] = []
-
-# The default generators are process-wide: one replay at a time sets and reads them.
-_lock = threading.RLock()
 
 
 def replay(
@@ -38,7 +35,7 @@ def replay(
     construction would have left it; otherwise the replay stops after the last operation needed and the generator
     is put back as it was.
     """
-    with _lock, record.lock:
+    with _generator.lock:  # the generator is process-wide: one replay or recorded draw at a time
         ops = record.ops
         kept = _slice(ops, targets)
         stop = len(ops) if to_end else max(kept, default=-1) + 1
@@ -53,17 +50,17 @@ def replay(
             done = True
         finally:
             torch.set_default_dtype(default_dtype)
-            if done and to_end:
-                if device is None:
-                    record.states_after[len(ops)] = torch.default_generator.get_state()
-            else:
+            if done and to_end and device is None:
+                record.states_after[len(ops)] = torch.default_generator.get_state()
+            # Eager code would be past this record's draws, unless the caller reseeded since: then it stays reseeded.
+            if not (done and to_end and _generator.epoch == record.point_epoch):
                 _set_cpu_state(saved)
         return {ref: env[ref] for ref in targets}
 
 
 def state_after(record: Record, count: int) -> torch.Tensor:
     """The default CPU generator's state after the first ``count`` operations of ``record`` drew, as in eager code."""
-    with _lock, record.lock:
+    with _generator.lock:  # the generator is process-wide: one replay or recorded draw at a time
         state = record.states_after.get(count)
         if state is not None:
             return state
@@ -98,17 +95,18 @@ def _run_all(
     limit = first_kept if first_kept is not None or not to_end else (draws[-1] if draws else None)
     start = None
     if to_end and not draws:
-        _set_cpu_state(_resolve(record.start))  # no draws: eager construction leaves the generator as it found it
+        _set_cpu_state(_start_of(record))  # no draws: eager construction leaves the generator as it found it
     if limit is not None:
         resets = [index for index in draws if index <= limit and ops[index].reset is not None]
         start = resets[-1] if resets else draws[0]
         if not resets:
-            _set_cpu_state(_resolve(record.start))
+            _set_cpu_state(_start_of(record))
     frees = _last_uses(ops, kept, targets)
     for index, op in enumerate(ops):
         random_here = start is not None and index >= start and _draws_on_cpu(op, device)
         if random_here and op.reset is not None:
-            _set_cpu_state(_resolve(op.reset))
+            op.reset = _resolve(op.reset)  # worked out once; the record it pointed into can then go
+            _set_cpu_state(op.reset)
         if index not in kept and not random_here:
             continue
         if op.default_dtype is not torch.get_default_dtype():
@@ -129,6 +127,11 @@ def _set_cpu_state(state: torch.Tensor) -> None:
 
 def _resolve(position: Position) -> torch.Tensor:
     return position if isinstance(position, torch.Tensor) else state_after(*position)
+
+
+def _start_of(record: Record) -> torch.Tensor:
+    record.start = _resolve(record.start)
+    return record.start
 
 
 def _draws_on_cpu(op: Op, device: torch.device | None) -> bool:

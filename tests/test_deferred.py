@@ -357,7 +357,7 @@ def test_partial_materialization_gives_the_eager_values_of_what_it_chose(chosen:
     state_after_eager = torch.get_rng_state()
     torch.manual_seed(0)
     deferred = deferred_init(tiny_llama, tied=False)
-    torch.manual_seed(99)
+    torch.rand(99)  # draws in between change nothing
     state_before = torch.get_rng_state()
     names = {module: name for name, module in deferred.named_modules()}
     in_chosen = lambda name: any(name == c or name.startswith(c + ".") for c in chosen)  # noqa: E731
@@ -374,6 +374,17 @@ def test_partial_materialization_gives_the_eager_values_of_what_it_chose(chosen:
     materialize_module(deferred)
     assert_bit_identical(eager, deferred)
     assert torch.equal(torch.get_rng_state(), state_after_eager)
+
+
+def test_a_reseed_after_deferred_init_is_kept_by_the_full_materialization() -> None:
+    torch.manual_seed(0)
+    deferred = deferred_init(Stack)
+    torch.manual_seed(1000)  # as ranks do, to draw different data: eager code would be at this state now
+    reseeded = torch.get_rng_state()
+    materialize_module(deferred)
+    assert torch.equal(torch.get_rng_state(), reseeded)
+    torch.manual_seed(0)
+    assert_bit_identical(Stack(), deferred)
 
 
 def test_check_fn_is_called_with_every_submodule_and_buffers_only_leaves_parameters_fake() -> None:
