@@ -90,7 +90,7 @@ class Op:
     draws: Draws
     device: torch.device | None  # where it ran: the device of its result, or of what it wrote
     reset: Position | None  # for draws: where the default CPU generator was set to before it (see _generator)
-    pinned: bool  # draws from a default generator and reads fake tensors: it runs in every replay
+    pinned: bool  # draws from a default generator as many numbers as fake values say: it runs in every replay
     default_dtype: torch.dtype
 
     @property
@@ -174,21 +174,22 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             return super().__torch_dispatch__(func, types, args, kwargs)
         kwargs = kwargs or {}
         with _generator.lock:
-            pending = self._begin(func, args, kwargs, _mutated_arguments(func, args, kwargs), None)
+            random = torch.Tag.nondeterministic_seeded in func.tags
+            pending = self._begin(func, args, kwargs, _mutated_arguments(func, args, kwargs), random=random)
             self._depth.n = 1
             try:
                 result = super().__torch_dispatch__(func, types, args, kwargs)
             except (DataDependentOutputException, DynamicOutputShapeException) as error:
                 raise DeferredInitError(
-                    f"{func} needs the values of fake tensors, which do not exist while deferred_init records "
+                    f"{_name(func)} needs the values of fake tensors, which do not exist while deferred_init records "
                     f"({where()}). Values that depend on data cannot be recorded one operation at a time: move this "
                     "code after materialize_module, or record the function doing it as one call with "
                     "modattrs.deferred.register_opaque_init"
                 ) from error
             except (UnsupportedFakeTensorException, UnsupportedOperatorException) as error:
                 raise DeferredInitError(
-                    f"{func} cannot run on fake tensors ({where()}): {error}. deferred_init records on fake tensors; "
-                    "build this part outside deferred_init and hand it in real"
+                    f"{_name(func)} cannot run on fake tensors ({where()}): {error}. deferred_init records on fake "
+                    "tensors; build this part outside deferred_init and hand it in real"
                 ) from error
             finally:
                 self._depth.n = 0
@@ -196,13 +197,13 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         return result
 
     def record_opaque(
-        self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], mutates: int
-    ) -> Any:
-        """Record ``func(*args, **kwargs)`` as one call that writes ``args[mutates]`` in place, without running it."""
+        self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], target: FakeTensor
+    ) -> FakeTensor:
+        """Record ``func(*args, **kwargs)`` as one call that writes ``target`` in place, without running it."""
         with _generator.lock:
-            pending = self._begin(func, args, kwargs, (args[mutates],), True)
-            self._finish(pending, args[mutates])
-        return args[mutates]
+            pending = self._begin(func, args, kwargs, (target,), random=True)
+            self._finish(pending, target)
+        return target
 
     def note_generator(self) -> None:
         """Record where the default CPU generator is if it moved since the last draw (a reseed at the end of
@@ -259,7 +260,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
         mutated: Sequence[torch.Tensor],
-        random: bool | None,
+        *,
+        random: bool,
     ) -> _Pending:
         originals, spec = tree_flatten((tuple(args), dict(kwargs)))
         flat = list(originals)
@@ -274,7 +276,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             ):
                 raise DeferredInitError(
                     f"{_name(func)} was given a {type(value).__name__} ({where()}); deferred_init records strided "
-                    "tensors only, not storages or sparse tensors: make this one after materialize_module"
+                    "tensors only, not storages (set_ with a storage; copy.deepcopy of a view at an offset) or sparse "
+                    "tensors: do this after materialize_module"
                 )
             if isinstance(value, FakeTensor):
                 ref = self._ref_of(value, func)
@@ -297,8 +300,6 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 device_slots.append(position)
             elif isinstance(value, torch.Generator) and not _is_default(value):
                 generators.append((position, value))
-        if random is None:
-            random = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
         draws = Draws.NONE if not random else Draws.EXPLICIT if generators else Draws.DEFAULT
         return _Pending(
             func=func,
@@ -365,7 +366,9 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             draws=pending.draws,
             device=device,
             reset=None,
-            pinned=pending.draws is Draws.DEFAULT and any(not slot.written for slot in pending.slots),
+            pinned=pending.draws is Draws.DEFAULT
+            and (pending.func in _VALUE_DEPENDENT_DRAWS or not isinstance(pending.func, torch._ops.OpOverload))
+            and any(not slot.written for slot in pending.slots),
             default_dtype=torch.get_default_dtype(),
         )
         if pending.draws is Draws.EXPLICIT:
@@ -399,17 +402,17 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         self.record.point, self.record.point_epoch = point, _generator.epoch
         _generator.move_to(point)
 
-    def _ref_of(self, tensor: FakeTensor, func: object) -> int:
+    def _ref_of(self, tensor: FakeTensor, func: Callable[..., Any]) -> int:
         if tensor.fake_mode is not self:
             raise DeferredInitError(
-                f"{func} was given a fake tensor that deferred_init did not record (made by another fake mode or "
-                f"another deferred_init call) ({where()}); deferred modules can only be combined with tensors made "
-                "in the same deferred_init call or real ones"
+                f"{_name(func)} was given a fake tensor that this deferred_init did not record (made by another fake "
+                f"mode or another deferred_init call) ({where()}); deferred modules can only be combined with tensors "
+                "made in the same deferred_init call or real ones"
             )
         ref = self.record.keys.get(self._key_of(tensor))
         if ref is None:
             raise DeferredInitError(
-                f"{func} was given a fake tensor ({tuple(tensor.shape)}, {tensor.dtype}) whose making was not "
+                f"{_name(func)} was given a fake tensor ({tuple(tensor.shape)}, {tensor.dtype}) whose making was not "
                 f"recorded ({where()}); make tensors with torch operations inside deferred_init"
             )
         return ref

@@ -12,7 +12,9 @@ The names and the ``check_fn`` rule are torchdistx's, whose ``deferred_init`` do
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -78,7 +80,7 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
             f"deferred_init expects a function returning a module; {_name_of(module_fn)} returned "
             f"a {type(module).__name__}"
         )
-    for label, tensor in _tensors(module, recurse=True):
+    for label, tensor in _tensors(module):
         if isinstance(tensor, FakeTensor):  # real tensors handed in stay as they are
             _ref_of(label, tensor)  # every fake one is accounted for now, not found missing at materialization
     record.root = weakref.ref(module)
@@ -100,9 +102,22 @@ def _detach_graphs(module: nn.Module) -> None:
         for name, buffer in submodule._buffers.items():
             if buffer is not None and buffer.grad_fn is not None:
                 submodule._buffers[name] = buffer.detach()
-        for name, value in vars(submodule).items():
-            if isinstance(value, Tensor) and value.grad_fn is not None:
-                vars(submodule)[name] = value.detach()
+        attributes = vars(submodule)
+        for name, value in list(attributes.items()):
+            if name not in ("_parameters", "_buffers", "_modules"):
+                attributes[name] = _detached(value)
+
+
+def _detached(value: Any) -> Any:
+    """``value`` with every tensor carrying a graph detached, inside lists and dicts too (changed in place)."""
+    if isinstance(value, Tensor):
+        return value.detach() if value.grad_fn is not None else value
+    if isinstance(value, list):
+        value[:] = [_detached(item) for item in value]
+    elif isinstance(value, dict):
+        for key in list(value):
+            value[key] = _detached(value[key])
+    return value
 
 
 def is_deferred(obj: nn.Module | Tensor) -> bool:
@@ -110,7 +125,7 @@ def is_deferred(obj: nn.Module | Tensor) -> bool:
     submodules too), still waits for :func:`materialize_module`."""
     if isinstance(obj, Tensor):
         return _recording_mode(obj) is not None
-    return any(_recording_mode(tensor) is not None for _, tensor in _tensors(obj, recurse=True))
+    return any(_recording_mode(tensor) is not None for _, tensor in _tensors(obj))
 
 
 def materialize_module(
@@ -176,33 +191,42 @@ def register_opaque_init(owner: object, name: str, *, mutates: int = 0) -> None:
     For initializers whose work depends on the values they draw (rejection sampling, like
     ``torch.nn.init.trunc_normal_``, which ships registered): such code cannot be recorded operation by
     operation, because fake tensors have no values. The function is replaced in ``owner`` (a module or a class)
-    by a wrapper that, given a deferred tensor as argument ``mutates``, records the call and returns that tensor;
+    by a wrapper that, given a deferred tensor as argument ``mutates`` (by position or by name), records the call
+    and returns that tensor;
     given anything else, it calls the function. The function must write into that argument in place, whatever
     it holds before, and not change its shape. Registering twice is harmless.
 
     Raises:
         TypeError: ``owner.name`` is not callable.
-        ValueError: ``mutates`` is negative.
+        ValueError: ``mutates`` is not the index of a positional parameter of the function.
     """
     func = getattr(owner, name)
     if not callable(func):
         raise TypeError(f"register_opaque_init: {_name_of(owner)}.{name} is a {type(func).__name__}, not a function")
-    if mutates < 0:
-        raise ValueError(f"register_opaque_init: mutates is the index of a positional argument, got {mutates}")
     if getattr(func, "__modattrs_opaque__", False):
         return
+    parameters = list(inspect.signature(func).parameters.values())
+    if not 0 <= mutates < len(parameters) or parameters[mutates].kind not in _POSITIONAL:
+        raise ValueError(
+            f"register_opaque_init: mutates is the index of the positional argument {_name_of(owner)}.{name} writes "
+            f"into; it takes {[p.name for p in parameters if p.kind in _POSITIONAL]}, got {mutates}"
+        )
     install_process_hooks()  # fake mode's own hooks go first, so this wrapper is the outer one
-    setattr(owner, name, _opaque_wrapper(func, mutates))
+    setattr(owner, name, _opaque_wrapper(func, mutates, parameters[mutates].name))
 
 
-def _opaque_wrapper(func: Callable[..., Any], mutates: int) -> Callable[..., Any]:
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _opaque_wrapper(func: Callable[..., Any], mutates: int, keyword: str) -> Callable[..., Any]:
     @functools.wraps(func)
     def recorded_when_deferred(*args: Any, **kwargs: Any) -> Any:
-        target = args[mutates] if len(args) > mutates else None
+        target = args[mutates] if len(args) > mutates else kwargs.get(keyword)
         mode = _recording_mode(target)
         if mode is None:
             return func(*args, **kwargs)
-        return mode.record_opaque(func, args, kwargs, mutates)
+        assert isinstance(target, FakeTensor)
+        return mode.record_opaque(func, args, kwargs, target)
 
     recorded_when_deferred.__modattrs_opaque__ = True  # type: ignore[attr-defined]
     return recorded_when_deferred
@@ -217,11 +241,52 @@ def _register_builtin_opaque_inits() -> None:
 # --- materialization --------------------------------------------------------------------------------------------------
 
 
+Chosen = dict[int, tuple[str, FakeTensor]]  # id of a fake tensor -> (its label for messages, the tensor)
+
+
 def _materialize(
     chosen: list[tuple[str, FakeTensor]], module: nn.Module | None, *, full: bool, device: torch.device | None
 ) -> None:
-    """Replay what ``chosen`` needs, record by record, then swap every result in."""
-    by_mode: dict[int, tuple[RecordingFakeTensorMode, dict[int, tuple[str, FakeTensor]]]] = {}
+    """Replay what ``chosen`` needs, record by record, and swap the results in.
+
+    Everything that can refuse is checked before anything changes; if a replay fails, the generator is put back.
+    """
+    root_mode = _roots.get(module) if full and module is not None else None
+    groups = _by_record(chosen)
+    if root_mode is not None:
+        groups.setdefault(id(root_mode), (root_mode, {}))  # even with nothing left, the generator is set
+    scope = [] if module is None else list(module.modules())
+    for mode, tensors in groups.values():
+        recorded_root = mode.record.root() if mode.record.root is not None else None
+        if recorded_root is not None:
+            _add_aliases(tensors, mode, recorded_root)
+            scope.extend(recorded_root.modules())
+    refs = {key: _ref_of(label, tensor) for _, tensors in groups.values() for key, (label, tensor) in tensors.items()}
+    everything = [entry for _, tensors in groups.values() for entry in tensors.values()]
+    with _recurrent_weights_released(scope, everything):
+        _check_swappable(everything)
+        saved = torch.default_generator.get_state()
+        swaps: list[tuple[str, FakeTensor, Tensor]] = []
+        try:
+            for mode, tensors in groups.values():
+                targets = {refs[key]: mode.storage_of(tensor) for key, (_, tensor) in tensors.items()}
+                reals = replay(mode.record, targets, device=device, to_end=mode is root_mode)
+                for key, (label, tensor) in tensors.items():
+                    swaps.append((label, tensor, _real_twin(label, tensor, reals[refs[key]], device)))
+        except BaseException:
+            torch.default_generator.set_state(saved)
+            raise
+        _swap(swaps)
+    for owner in {id(m): m for m in scope}.values():  # cached values may have been computed from fake tensors
+        for value in vars(owner).values():
+            if isinstance(value, VirtualTensor):
+                value.invalidate()
+    if root_mode is not None and module is not None:
+        del _roots[module]  # all of it is real: the record can go
+
+
+def _by_record(chosen: list[tuple[str, FakeTensor]]) -> dict[int, tuple[RecordingFakeTensorMode, Chosen]]:
+    groups: dict[int, tuple[RecordingFakeTensorMode, Chosen]] = {}
     for label, tensor in chosen:
         mode = _recording_mode(tensor)
         if mode is None:
@@ -229,72 +294,47 @@ def _materialize(
                 f"{label} is a fake tensor that no deferred_init recorded (made by fake_mode or fake_copy), so "
                 "there is nothing to replay for it; make it real by assigning a real tensor"
             )
-        by_mode.setdefault(id(mode), (mode, {}))[1][id(tensor)] = (label, tensor)
-    root_mode = _roots.get(module) if full and module is not None else None
-    if root_mode is not None and id(root_mode) not in by_mode:  # nothing left: still set the generator
-        by_mode[id(root_mode)] = (root_mode, {})
-    scope = [] if module is None else list(module.modules())
-    swaps: list[tuple[str, FakeTensor, Tensor]] = []
-    for mode, tensors in by_mode.values():
-        record = mode.record
-        recorded_root = record.root() if record.root is not None else None
-        if recorded_root is not None:
-            _add_aliases(tensors, mode, recorded_root)
-            scope.extend(recorded_root.modules())
-        refs = {key: _ref_of(label, tensor) for key, (label, tensor) in tensors.items()}
-        targets = {refs[key]: mode.storage_of(tensor) for key, (_, tensor) in tensors.items()}
-        reals = replay(record, targets, device=device, to_end=mode is root_mode)
-        for key, (label, tensor) in tensors.items():
-            swaps.append((label, tensor, _real_twin(label, tensor, reals[refs[key]], device)))
-    _swap(swaps, scope)
-    if root_mode is not None and module is not None:
-        del _roots[module]  # all of it is real: the record can go
+        groups.setdefault(id(mode), (mode, {}))[1][id(tensor)] = (label, tensor)
+    return groups
 
 
-def _swap(swaps: list[tuple[str, FakeTensor, Tensor]], scope: list[nn.Module]) -> None:
-    """Swap each real twin into its fake tensor object, checking first what would make torch refuse."""
-    # Recurrent layers hold weak references to their weights; like their own _apply, drop them and make them again.
-    swapped = {id(tensor) for _, tensor, _ in swaps}
-    recurrent = {
+def _add_aliases(tensors: Chosen, mode: RecordingFakeTensorMode, root: nn.Module) -> None:
+    """Add the root's tensors that share storage with a chosen one: materialized apart, they would stop aliasing."""
+    storages = {mode.storage_of(tensor) for _, tensor in tensors.values()}
+    for label, tensor in _tensors(root):
+        if id(tensor) in tensors or not isinstance(tensor, FakeTensor) or tensor.fake_mode is not mode:
+            continue
+        if mode.storage_of(tensor) in storages:
+            tensors[id(tensor)] = (label, tensor)
+
+
+@contextlib.contextmanager
+def _recurrent_weights_released(scope: list[nn.Module], tensors: list[tuple[str, FakeTensor]]) -> Iterator[None]:
+    """Recurrent layers hold weak references to their weights, which swap_tensors refuses: like their own
+    ``_apply``, drop them for the swap and make them again."""
+    ids = {id(tensor) for _, tensor in tensors}
+    layers = {
         id(layer): layer
         for layer in scope
-        if isinstance(layer, nn.RNNBase) and any(id(weight) in swapped for weight in layer._flat_weights)
+        if isinstance(layer, nn.RNNBase) and any(id(weight) in ids for weight in layer._flat_weights)
     }.values()
-    for layer in recurrent:
+    for layer in layers:
         layer._flat_weight_refs = []
     try:
-        _check_swappable(swaps)
-        # Views hold their base: they go first, and their fake halves are let go before the bases are swapped.
-        swaps.sort(key=lambda swap: swap[1]._base is None)
-        while swaps:
-            label, tensor, twin = swaps.pop(0)
-            hooks = (tensor._backward_hooks, getattr(tensor, "_post_accumulate_grad_hooks", None))
-            try:
-                torch.utils.swap_tensors(tensor, twin)  # type: ignore[no-untyped-call]
-            except RuntimeError as error:
-                raise DeferredInitError(
-                    f"{label} could not be made real in place ({error}); the tensors listed before it were"
-                ) from error
-            del twin  # now the fake half: let go of it, and of the base it may hold
-            if hooks[0]:  # hooks live on the tensor's autograd data, which the swap replaced
-                tensor._backward_hooks = hooks[0]
-            if hooks[1]:
-                tensor._post_accumulate_grad_hooks = hooks[1]
+        yield
     finally:
-        for layer in recurrent:
+        for layer in layers:
             layer._init_flat_weights()
-    for module in {id(m): m for m in scope}.values():  # cached values may have been computed from fake tensors
-        for value in vars(module).values():
-            if isinstance(value, VirtualTensor):
-                value.invalidate()
 
 
-def _check_swappable(swaps: list[tuple[str, FakeTensor, Tensor]]) -> None:
+def _check_swappable(tensors: list[tuple[str, FakeTensor]]) -> None:
+    """Raise for a tensor that torch.utils.swap_tensors would refuse, once torch's own fake tensor memo (which holds
+    weak references to some) has let go of it."""
     views_of: dict[int, int] = {}
-    for _, tensor, _ in swaps:
+    for _, tensor in tensors:
         if tensor._base is not None:
             views_of[id(tensor._base)] = views_of.get(id(tensor._base), 0) + 1
-    for label, tensor, _ in swaps:
+    for label, tensor in tensors:
         mode = _recording_mode(tensor)
         assert mode is not None
         mode.forget(tensor)
@@ -303,7 +343,8 @@ def _check_swappable(swaps: list[tuple[str, FakeTensor, Tensor]]) -> None:
                 f"{label} cannot be made real in place: something holds a weak reference to it "
                 "(torch.utils.swap_tensors refuses such tensors); drop the weak reference first"
             )
-        # A fake view holds its base twice (the view's and its meta tensor's view information).
+        # A fake view holds its base twice (the view's and its meta tensor's view information); the views are
+        # swapped first and let go of it.
         allowed = 1 + 2 * views_of.get(id(tensor), 0) + (1 if tensor.is_leaf and tensor.requires_grad else 0)
         if tensor._use_count() > allowed:  # type: ignore[attr-defined]
             raise DeferredInitError(
@@ -312,27 +353,33 @@ def _check_swappable(swaps: list[tuple[str, FakeTensor, Tensor]]) -> None:
             )
 
 
-def _add_aliases(
-    tensors: dict[int, tuple[str, FakeTensor]], mode: RecordingFakeTensorMode, root: nn.Module | None
-) -> None:
-    """Add the root's tensors that share storage with a chosen one: materialized apart, they would stop aliasing."""
-    if root is None:
-        return
-    storages = {mode.storage_of(tensor) for _, tensor in tensors.values()}
-    for label, tensor in _tensors(root, recurse=True):
-        if id(tensor) in tensors or not isinstance(tensor, FakeTensor) or tensor.fake_mode is not mode:
-            continue
-        if mode.storage_of(tensor) in storages:
-            tensors[id(tensor)] = (label, tensor)
+def _swap(swaps: list[tuple[str, FakeTensor, Tensor]]) -> None:
+    """Swap each real twin into its fake tensor object: views first, then the tensors they view."""
+    swaps.sort(key=lambda swap: swap[1]._base is None)
+    while swaps:
+        label, tensor, twin = swaps.pop(0)
+        hooks = (tensor._backward_hooks, getattr(tensor, "_post_accumulate_grad_hooks", None))
+        try:
+            torch.utils.swap_tensors(tensor, twin)  # type: ignore[no-untyped-call]
+        except RuntimeError as error:  # checked for before: not expected
+            raise DeferredInitError(
+                f"{label} could not be made real in place ({error}); the tensors listed before it were"
+            ) from error
+        del twin  # now the fake half: let go of it, and of the base it may hold
+        if hooks[0]:  # hooks live on the tensor's autograd data, which the swap replaced
+            tensor._backward_hooks = hooks[0]
+        if hooks[1]:
+            tensor._post_accumulate_grad_hooks = hooks[1]
 
 
 def _real_twin(label: str, fake: FakeTensor, real: Tensor, device: torch.device | None) -> Tensor:
-    expected = (fake.shape, fake.stride(), fake.dtype, fake.device if device is None else device)
-    got = (real.shape, real.stride(), real.dtype, real.device)
-    if expected[:3] != got[:3] or expected[3] != got[3]:
+    expected = (fake.shape, fake.stride(), fake.dtype)
+    got = (real.shape, real.stride(), real.dtype)
+    where = fake.device if device is None else device
+    if got != expected or not _same_device(real.device, where):
         raise DeferredInitError(
-            f"replaying {label} gave a tensor of (shape, strides, dtype, device) {got}, expected {expected}; this is "
-            "a bug in modattrs, please report it"
+            f"replaying {label} gave a tensor of (shape, strides, dtype) {got} on {real.device}, expected "
+            f"{expected} on {where}; this is a bug in modattrs, please report it"
         )
     twin: Tensor
     if isinstance(fake, nn.Parameter):
@@ -342,6 +389,10 @@ def _real_twin(label: str, fake: FakeTensor, real: Tensor, device: torch.device 
     internal = _fake_tensor_fields()
     vars(twin).update({key: value for key, value in vars(fake).items() if key not in internal})
     return twin
+
+
+def _same_device(one: torch.device, other: torch.device) -> bool:
+    return one.type == other.type and (one.index or 0) == (other.index or 0)  # cpu is cpu:0, cuda is cuda:0
 
 
 @functools.cache
@@ -360,16 +411,13 @@ def _recording_mode(tensor: object) -> RecordingFakeTensorMode | None:
     return None
 
 
-def _ref_of(label: str, tensor: Tensor) -> int:
+def _ref_of(label: str, tensor: FakeTensor) -> int:
     mode = _recording_mode(tensor)
     if mode is None:
-        if isinstance(tensor, FakeTensor):
-            raise DeferredInitError(
-                f"{label} is a fake tensor that deferred_init did not record (made by fake_mode "
-                "or fake_copy); build it inside the deferred_init call"
-            )
-        raise AssertionError(label)
-    assert isinstance(tensor, FakeTensor)
+        raise DeferredInitError(
+            f"{label} is a fake tensor that no deferred_init recorded (made by fake_mode or fake_copy), so there is "
+            "nothing to replay for it; build it inside the deferred_init call, or assign a real tensor"
+        )
     ref = mode.ref_of(tensor)
     if ref is None and tensor.untyped_storage().device.type != "meta":
         raise DeferredInitError(
@@ -380,14 +428,14 @@ def _ref_of(label: str, tensor: Tensor) -> int:
         raise DeferredInitError(
             f"{label} ({tuple(tensor.shape)}, {tensor.dtype}) is fake, and no recorded operation made a tensor with "
             "its storage and layout; it was likely built from another fake tensor without a torch operation "
-            "(torch.Tensor._make_subclass, set_ with a storage object); make it with torch operations"
+            "(torch.Tensor._make_subclass); make it with torch operations"
         )
     return ref
 
 
-def _tensors(module: nn.Module, *, recurse: bool) -> Iterator[tuple[str, Tensor]]:
-    modules = module.named_modules() if recurse else [("", module)]
-    for prefix, submodule in modules:
+def _tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Every tensor of ``module`` and its submodules (see ``_own_tensors``), labelled for messages."""
+    for prefix, submodule in module.named_modules():
         yield from _own_tensors(submodule, prefix, buffers_only=False)
 
 
