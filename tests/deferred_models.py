@@ -106,7 +106,7 @@ class ViewsAndGraphs(nn.Module):
         self.w = nn.Parameter(torch.randn(3))
         self.v = nn.Parameter(torch.randn(3))
         self.register_buffer("product", self.w * self.v)  # carries an autograd graph
-        self.masks = [torch.rand(2) > 0.5, torch.ones(2)]
+        self.masks = [torch.rand(2) > 0.5, torch.ones(2), self.w * 2]  # the last one carries a graph
         self.tables = {"cos": torch.randn(3).cos()}
         self.halves = torch.randn(4).split(4)[0]  # an operation returning a one-tensor list
         self.conj = torch.randn(2, dtype=torch.complex64).conj()  # a view with the same layout as its base
