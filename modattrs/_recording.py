@@ -61,9 +61,9 @@ class Draws(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Slot:
-    """A fake tensor argument: where it sits in the flattened arguments, its ref, and its layout."""
+    """A fake tensor argument: its index in the flattened arguments, its ref, and its layout."""
 
-    position: int
+    index: int
     ref: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
@@ -101,16 +101,23 @@ class Op:
     def opaque(self) -> bool:
         return not isinstance(self.func, torch._ops.OpOverload)
 
-    def arguments(self, tensors: Mapping[int, torch.Tensor], device: torch.device | None) -> tuple[Any, Any]:
+    def arguments(
+        self,
+        tensors: Mapping[int, torch.Tensor],
+        device: torch.device | None,
+        generators: Mapping[int, torch.Generator] | None = None,
+    ) -> tuple[Any, Any]:
         """The arguments to call ``func`` with: fake tensors replaced from ``tensors`` (by position), real ones
-        checked, devices replaced by ``device`` if given, generators by copies at their recorded state."""
+        checked, devices replaced by ``device`` if given, generators by ``generators`` or by copies at their
+        recorded state."""
         flat = list(self.flat)
         for position, tensor in tensors.items():
             flat[position] = tensor
         for position, constant, version in self.constant_slots:
             if constant._version != version:
                 raise DeferredInitError(
-                    f"a real tensor given to {self.name} while recording was changed in place since; the recorded "
+                    f"a real tensor ({tuple(constant.shape)}, {constant.dtype}) given to {self.name} while recording "
+                    "was changed in place since; the recorded "
                     "result would differ from what eager construction computed. Leave tensors handed to a deferred "
                     "module unchanged until it is materialized"
                 )
@@ -121,6 +128,8 @@ class Op:
         for position, state in self.generator_states:
             generator = torch.Generator(self.flat[position].device)
             generator.set_state(state)
+            flat[position] = generator
+        for position, generator in (generators or {}).items():
             flat[position] = generator
         return tree_unflatten(flat, self.spec)  # type: ignore[no-any-return]
 
@@ -133,7 +142,7 @@ class Record:
     ops: list[Op] = field(default_factory=list)
     keys: dict[Key, int] = field(default_factory=dict)
     storages: dict[int, torch.UntypedStorage] = field(default_factory=dict)
-    ref_count: int = 0
+    next_ref: int = 0
     root: weakref.ref[torch.nn.Module] | None = None  # what deferred_init returned
     point: Position = field(init=False)  # the default CPU generator's position after the record's last draw
     point_epoch: int = field(init=False)  # _generator.epoch then: a reseed since makes the point history
@@ -313,16 +322,60 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             writes=frozenset(self._storage_of(t) for t in mutated if isinstance(t, FakeTensor)),
             draws=draws,
             mutated=written,
-            arg_refs={id(originals[slot.position]): slot.ref for slot in slots},
+            arg_refs={id(originals[slot.index]): slot.ref for slot in slots},
         )
 
     def _finish(self, pending: _Pending, result: Any) -> None:
+        """Name the results, then append the operation, noting what it drew from."""
+        out_refs, writes, device = self._name_results(pending, result)
+        op = Op(
+            func=pending.func,
+            flat=pending.flat,
+            spec=pending.spec,
+            slots=pending.slots,
+            constant_slots=pending.constant_slots,
+            device_slots=pending.device_slots,
+            generator_states=(),
+            in_refs=frozenset(slot.ref for slot in pending.slots),
+            in_storages=pending.in_storages,
+            out_refs=out_refs,
+            writes=writes,
+            draws=pending.draws,
+            device=device,
+            reset=None,
+            pinned=pending.draws is Draws.DEFAULT and _reads_values(pending),
+            default_dtype=torch.get_default_dtype(),
+        )
+        if pending.draws is Draws.EXPLICIT:
+            if _reads_values(pending):
+                raise DeferredInitError(
+                    f"{_name(pending.func)} draws from a torch.Generator as many numbers as the values of its fake "
+                    f"inputs say ({where()}), which cannot be known while recording; draw from the default generator "
+                    "or do this after materialize_module"
+                )
+            op.generator_states = tuple((index, generator.get_state()) for index, generator in pending.generators)
+            _advance(op, dict(pending.generators))  # so the generator object ends where eager code leaves it
+        elif pending.draws is Draws.DEFAULT and device is not None and device.type == "cpu":
+            op.reset = self._cpu_reset()
+            self._append(op)
+            return
+        elif pending.draws is Draws.DEFAULT and _generator.epoch != self.record.epoch:
+            # Another device's generator: eager code on the CPU (device='cpu' at materialization) would have used
+            # the CPU generator, reseeded here.
+            op.reset = _generator.real_state()
+            self.record.epoch = _generator.epoch
+        self.record.ops.append(op)
+
+    def _name_results(
+        self, pending: _Pending, result: Any
+    ) -> tuple[tuple[int | None, ...], frozenset[int], torch.device | None]:
+        """Give each fake tensor in ``result`` its ref (a new one, or its argument's if written in place), and find
+        the storages written and the device the operation ran on."""
         record = self.record
         out_refs: list[int | None] = []
         writes = set(pending.writes)
         device: torch.device | None = None
-        leaves, _ = tree_flatten(result)
-        for leaf in leaves:
+        for leaf in tree_flatten(result)[0]:
             if not isinstance(leaf, FakeTensor):
                 out_refs.append(None)
                 continue
@@ -334,66 +387,26 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             device = device or leaf.device
             ref = pending.arg_refs.get(id(leaf))
             if ref is None:
-                ref = record.ref_count
-                record.ref_count += 1
+                ref = record.next_ref
+                record.next_ref += 1
             elif id(leaf) in pending.mutated:
                 writes.add(self._storage_of(leaf))  # set_ and resize_ move it to another storage
             record.keys[self._key_of(leaf)] = ref
             out_refs.append(ref)
         if device is None:
             device = next((slot.device for slot in pending.slots if slot.written), None)
-        generator_states: tuple[tuple[int, torch.Tensor], ...] = ()
-        if pending.draws is Draws.EXPLICIT:
-            if pending.func in _VALUE_DEPENDENT_DRAWS and any(not slot.written for slot in pending.slots):
-                raise DeferredInitError(
-                    f"{_name(pending.func)} draws from a torch.Generator as many numbers as the values of its fake "
-                    f"inputs say ({where()}), which cannot be known while recording; draw from the default generator "
-                    "or do this after materialize_module"
-                )
-            generator_states = tuple((position, g.get_state()) for position, g in pending.generators)
-        op = Op(
-            func=pending.func,
-            flat=pending.flat,
-            spec=pending.spec,
-            slots=pending.slots,
-            constant_slots=pending.constant_slots,
-            device_slots=pending.device_slots,
-            generator_states=generator_states,
-            in_refs=frozenset(slot.ref for slot in pending.slots),
-            in_storages=pending.in_storages,
-            out_refs=tuple(out_refs),
-            writes=frozenset(writes),
-            draws=pending.draws,
-            device=device,
-            reset=None,
-            pinned=pending.draws is Draws.DEFAULT
-            and (pending.func in _VALUE_DEPENDENT_DRAWS or not isinstance(pending.func, torch._ops.OpOverload))
-            and any(not slot.written for slot in pending.slots),
-            default_dtype=torch.get_default_dtype(),
-        )
-        if pending.draws is Draws.EXPLICIT:
-            _advance(op, dict(pending.generators))  # so the generator object ends where eager code leaves it
-        if pending.draws is Draws.DEFAULT and device is not None and device.type == "cpu":
-            op.reset = self._cpu_reset()
-            self._append(op)
-            return
-        if pending.draws is Draws.DEFAULT and _generator.epoch != record.epoch:
-            # Another device's generator: eager code on the CPU (device='cpu' at materialization) would have used
-            # the CPU generator, reseeded here.
-            op.reset = _generator.real_state()
-            record.epoch = _generator.epoch
-        record.ops.append(op)
+        return tuple(out_refs), frozenset(writes), device
 
     def _cpu_reset(self) -> Position | None:
         """Where the default CPU generator is before a draw, unless it is where this record's last draw left it."""
-        where = _generator.position()
-        if where is self.record.point or (
-            isinstance(where, torch.Tensor)
+        now = _generator.position()
+        if now is self.record.point or (
+            isinstance(now, torch.Tensor)
             and isinstance(self.record.point, torch.Tensor)
-            and _generator.same(where, self.record.point)
+            and _generator.same(now, self.record.point)
         ):
             return None
-        return where
+        return now
 
     def _append(self, op: Op) -> None:
         """Append a draw from the default CPU generator, which moves the generator's position past it."""
@@ -461,26 +474,25 @@ def scratch_arguments(op: Op, device: torch.device | None) -> dict[int, torch.Te
     layout for what it writes, ones for what it reads."""
     tensors = {}
     for slot in op.slots:
-        where = device or slot.device
+        on = device or slot.device
         if slot.written:
-            tensors[slot.position] = torch.empty_strided(slot.size, slot.stride, dtype=slot.dtype, device=where)
+            tensors[slot.index] = torch.empty_strided(slot.size, slot.stride, dtype=slot.dtype, device=on)
         else:
-            tensors[slot.position] = torch.ones(slot.size, dtype=slot.dtype, device=where)
+            tensors[slot.index] = torch.ones(slot.size, dtype=slot.dtype, device=on)
     return tensors
 
 
 def _advance(op: Op, generators: Mapping[int, torch.Generator]) -> None:
     """Run an operation that draws from explicit generators for real, on scratch tensors, to advance them."""
     with _disable_current_modes(), torch.no_grad():
-        flat = list(op.flat)
-        for position, tensor in scratch_arguments(op, None).items():
-            flat[position] = tensor
-        for position, constant, _ in op.constant_slots:
-            flat[position] = constant
-        for position, generator in generators.items():
-            flat[position] = generator
-        args, kwargs = tree_unflatten(flat, op.spec)
+        args, kwargs = op.arguments(scratch_arguments(op, None), None, generators)
         op.func(*args, **kwargs)
+
+
+def _reads_values(pending: _Pending) -> bool:
+    """Whether the operation draws as many numbers as the values of fake tensors say (opaque ones might)."""
+    value_dependent = pending.func in _VALUE_DEPENDENT_DRAWS or not isinstance(pending.func, torch._ops.OpOverload)
+    return value_dependent and any(not slot.written for slot in pending.slots)
 
 
 # Random operations that draw as many numbers as their inputs' values say.

@@ -13,7 +13,9 @@ state and need nothing of the kind. The generators of other devices are used as 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -32,50 +34,52 @@ def replay(
     """Run what the refs in ``targets`` (ref to its storage) need, for real, and return them by ref.
 
     With ``to_end``, every CPU draw of the record happens and the default CPU generator is left where eager
-    construction would have left it; otherwise the replay stops after the last operation needed and the generator
-    is put back as it was.
+    construction would have left it (unless the caller reseeded it since); otherwise the replay stops after the
+    last operation needed and the generator is put back as it was.
     """
-    with _generator.lock:  # the generator is process-wide: one replay or recorded draw at a time
+    with _running() as after:
         ops = record.ops
         kept = _slice(ops, targets)
-        stop = len(ops) if to_end else max(kept, default=-1) + 1
         _check_devices(ops, kept, device)
         env: dict[int, torch.Tensor] = {}
-        saved = torch.default_generator.get_state()
-        default_dtype = torch.get_default_dtype()
-        done = False
-        try:
-            with torch.no_grad(), _disable_current_modes():
-                _run_all(record, ops[:stop], kept, targets, env, device, to_end=to_end)
-            done = True
-        finally:
-            torch.set_default_dtype(default_dtype)
-            if done and to_end and device is None:
-                record.states_after[len(ops)] = torch.default_generator.get_state()
-            # Eager code would be past this record's draws, unless the caller reseeded since: then it stays reseeded.
-            if not (done and to_end and _generator.epoch == record.point_epoch):
-                _set_cpu_state(saved)
+        _run_all(record, ops if to_end else ops[: max(kept, default=-1) + 1], kept, targets, env, device, to_end=to_end)
+        if to_end and device is None:
+            record.states_after[len(ops)] = torch.default_generator.get_state()
+        # Eager code would be past this record's draws, unless the caller reseeded since: then it stays reseeded.
+        after.keep_generator = to_end and _generator.epoch == record.point_epoch
         return {ref: env[ref] for ref in targets}
 
 
 def state_after(record: Record, count: int) -> torch.Tensor:
     """The default CPU generator's state after the first ``count`` operations of ``record`` drew, as in eager code."""
-    with _generator.lock:  # the generator is process-wide: one replay or recorded draw at a time
+    with _running():
         state = record.states_after.get(count)
-        if state is not None:
-            return state
+        if state is None:
+            ops = record.ops[:count]
+            _run_all(record, ops, _slice(ops, {}), {}, {}, None, to_end=True)  # draws that read data run
+            state = record.states_after[count] = torch.default_generator.get_state()
+        return state
+
+
+@dataclass
+class _After:
+    keep_generator: bool = False  # set by a block that finished where the generator should stay
+
+
+@contextlib.contextmanager
+def _running() -> Iterator[_After]:
+    """Run real operations, one replay at a time, and put the default dtype and the default CPU generator back
+    after, the generator unless the block says to keep it."""
+    with _generator.lock, torch.no_grad(), _disable_current_modes():
         saved = torch.default_generator.get_state()
         default_dtype = torch.get_default_dtype()
-        ops = record.ops[:count]
+        after = _After()
         try:
-            with torch.no_grad(), _disable_current_modes():
-                _run_all(record, ops, _slice(ops, {}), {}, {}, None, to_end=True)  # draws that read data run
-            state = torch.default_generator.get_state()
+            yield after
         finally:
             torch.set_default_dtype(default_dtype)
-            _set_cpu_state(saved)
-        record.states_after[count] = state
-        return state
+            if not after.keep_generator:
+                _set_cpu_state(saved)
 
 
 def _run_all(
@@ -137,8 +141,8 @@ def _start_of(record: Record) -> torch.Tensor:
 def _draws_on_cpu(op: Op, device: torch.device | None) -> bool:
     if op.draws is not Draws.DEFAULT:
         return False
-    where = device or op.device
-    return where is not None and where.type == "cpu"
+    on = device or op.device
+    return on is not None and on.type == "cpu"
 
 
 def _slice(ops: list[Op], targets: Mapping[int, int]) -> set[int]:
@@ -201,7 +205,7 @@ def _check_devices(ops: list[Op], kept: Iterable[int], device: torch.device | No
 
 
 def _run(op: Op, env: dict[int, torch.Tensor], device: torch.device | None) -> None:
-    args, kwargs = op.arguments({slot.position: env[slot.ref] for slot in op.slots}, device)
+    args, kwargs = op.arguments({slot.index: env[slot.ref] for slot in op.slots}, device)
     result = op.func(*args, **kwargs)
     if op.opaque:
         return  # an initializer that wrote into its argument, which env holds already

@@ -375,11 +375,11 @@ def _swap(swaps: list[tuple[str, FakeTensor, Tensor]]) -> None:
 def _real_twin(label: str, fake: FakeTensor, real: Tensor, device: torch.device | None) -> Tensor:
     expected = (fake.shape, fake.stride(), fake.dtype)
     got = (real.shape, real.stride(), real.dtype)
-    where = fake.device if device is None else device
-    if got != expected or not _same_device(real.device, where):
+    on = fake.device if device is None else device
+    if got != expected or not _same_device(real.device, on):
         raise DeferredInitError(
             f"replaying {label} gave a tensor of (shape, strides, dtype) {got} on {real.device}, expected "
-            f"{expected} on {where}; this is a bug in modattrs, please report it"
+            f"{expected} on {on}; this is a bug in modattrs, please report it"
         )
     twin: Tensor
     if isinstance(fake, nn.Parameter):
