@@ -11,9 +11,10 @@ with the position, so that putting it back (``fork_rng`` does) returns to that p
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Union
 
 import torch
@@ -37,6 +38,7 @@ _point_state: torch.Tensor | None = None
 _point_epoch = 0
 _tags: WeakIdKeyDictionary = WeakIdKeyDictionary()  # state tensor handed out by get_rng_state -> the point then
 _watching = False
+_suspended = 0  # while replays set the generator to states of their own, the position is not theirs to change
 
 
 def position() -> Position:
@@ -44,6 +46,8 @@ def position() -> Position:
     global _point, _point_state
     with lock:
         state = real_state()
+        if _suspended:
+            return state
         if _point is not None and _point_epoch == epoch and same(state, _point_state):
             return _point
         _point = _point_state = None  # gone for good: let its record go
@@ -55,6 +59,18 @@ def move_to(point: Point) -> None:
     global _point, _point_state, _point_epoch
     with lock:
         _point, _point_state, _point_epoch = point, real_state(), epoch
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Hold the position as it is while a replay runs real operations (which may call the wrapped functions)."""
+    global _suspended
+    with lock:
+        _suspended += 1
+        try:
+            yield
+        finally:
+            _suspended -= 1
 
 
 def real_state() -> torch.Tensor:
@@ -89,8 +105,9 @@ def _seeding(func: Callable[..., Any]) -> Callable[..., Any]:
     def seeding(*args: Any, **kwargs: Any) -> Any:
         global epoch, _point
         with lock:
-            epoch += 1
-            _point = None
+            if not _suspended:
+                epoch += 1
+                _point = None
             return func(*args, **kwargs)
 
     seeding.__modattrs_watch__ = True  # type: ignore[attr-defined]
@@ -114,6 +131,8 @@ def _restoring(func: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor],
         with lock:
             point = _tags.get(new_state)  # type: ignore[no-untyped-call]
             func(new_state)
+            if _suspended:
+                return
             if point is None:
                 epoch += 1
                 _point = None
@@ -132,9 +151,9 @@ def _saving(func: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     def saving() -> torch.Tensor:
         with lock:
             state = func()
-            where = position()
-            if not isinstance(where, torch.Tensor):
-                _tags[state] = where
+            at = position()
+            if not isinstance(at, torch.Tensor):
+                _tags[state] = at
             return state
 
     saving.__modattrs_watch__ = True  # type: ignore[attr-defined]

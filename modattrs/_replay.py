@@ -37,6 +37,8 @@ def replay(
     construction would have left it (unless the caller reseeded it since); otherwise the replay stops after the
     last operation needed and the generator is put back as it was.
     """
+    with _generator.lock:
+        at_point = _generator.position() is record.point
     with _running() as after:
         ops = record.ops
         kept = _slice(ops, targets)
@@ -46,7 +48,7 @@ def replay(
         if to_end and device is None:
             record.states_after[len(ops)] = torch.default_generator.get_state()
         # Eager code would be past this record's draws, unless the caller reseeded since: then it stays reseeded.
-        after.keep_generator = to_end and _generator.epoch == record.point_epoch
+        after.keep_generator = to_end and (at_point or _generator.epoch == record.point_epoch)
         return {ref: env[ref] for ref in targets}
 
 
@@ -70,7 +72,7 @@ class _After:
 def _running() -> Iterator[_After]:
     """Run real operations, one replay at a time, and put the default dtype and the default CPU generator back
     after, the generator unless the block says to keep it."""
-    with _generator.lock, torch.no_grad(), _disable_current_modes():
+    with _generator.lock, _generator.suspended(), torch.no_grad(), _disable_current_modes():
         saved = torch.default_generator.get_state()
         default_dtype = torch.get_default_dtype()
         after = _After()

@@ -381,6 +381,27 @@ def test_partial_materialization_gives_the_eager_values_of_what_it_chose(chosen:
     assert torch.equal(torch.get_rng_state(), state_after_eager)
 
 
+class SeedsInAFork(nn.Module):
+    """Reseeds inside a fork, which puts the generator back: eager code leaves it where it found it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(3)
+        self.norm = nn.LayerNorm(3)
+
+
+def test_a_reseed_undone_by_a_fork_while_recording_does_not_count_as_the_callers() -> None:
+    torch.manual_seed(0)
+    nn.Linear(4, 4), SeedsInAFork()
+    state_after_eager = torch.get_rng_state()
+    torch.manual_seed(0)
+    first, second = deferred_init(nn.Linear, 4, 4), deferred_init(SeedsInAFork)
+    materialize_module(second)
+    materialize_module(first)
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+
+
 def test_a_reseed_after_deferred_init_is_kept_by_the_full_materialization() -> None:
     torch.manual_seed(0)
     deferred = deferred_init(Stack)
