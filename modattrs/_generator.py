@@ -91,9 +91,13 @@ def watch() -> None:
     with lock:
         if _watching:
             return
-        for owner in (torch, torch.random):
-            for name, wrap in (("manual_seed", _seeding), ("set_rng_state", _restoring), ("get_rng_state", _saving)):
-                setattr(owner, name, wrap(getattr(owner, name)))
+        for name, wrap in (("manual_seed", _seeding), ("set_rng_state", _restoring), ("get_rng_state", _saving)):
+            wrapped = {}  # torch.manual_seed is torch.random.manual_seed: one wrapper, so it stays so
+            for owner in (torch, torch.random):
+                original = getattr(owner, name)
+                if id(original) not in wrapped:
+                    wrapped[id(original)] = wrap(original)
+                setattr(owner, name, wrapped[id(original)])
         _watching = True
 
 
