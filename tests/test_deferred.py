@@ -835,7 +835,7 @@ IMPORT_CHANGES_NOTHING = """
     print(all(a is b for a, b in zip(before, after)))
     modattrs.deferred.deferred_init(torch.nn.Linear, 2, 2)
     print(torch.manual_seed is before[0], torch.manual_seed(0) is torch.default_generator)
-    print(torch.manual_seed is torch.random.manual_seed, torch.get_rng_state is torch.random.get_rng_state)
+    print(torch.get_rng_state is torch.random.get_rng_state, torch.set_rng_state is torch.random.set_rng_state)
 """
 
 
