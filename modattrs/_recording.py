@@ -61,10 +61,11 @@ class Draws(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Slot:
-    """A fake tensor argument: its index in the flattened arguments, its ref, and its layout."""
+    """A fake tensor argument: its index in the flattened arguments, its ref, its storage, and its layout."""
 
     index: int
     ref: int
+    storage: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
@@ -289,11 +290,12 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                     "tensors: do this after materialize_module"
                 )
             if isinstance(value, FakeTensor):
-                ref = self._ref_of(value, func)
+                ref, storage = self._ref_of(value, func)
                 slots.append(
                     Slot(
                         position,
                         ref,
+                        storage,
                         tuple(value.shape),
                         tuple(value.stride()),
                         value.dtype,
@@ -318,8 +320,6 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             constant_slots=tuple(constant_slots),
             device_slots=tuple(device_slots),
             generators=tuple(generators),
-            in_storages=frozenset(self._storage_of(v) for v in originals if isinstance(v, FakeTensor)),
-            writes=frozenset(self._storage_of(t) for t in mutated if isinstance(t, FakeTensor)),
             draws=draws,
             mutated=written,
             arg_refs={id(originals[slot.index]): slot.ref for slot in slots},
@@ -337,7 +337,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             device_slots=pending.device_slots,
             generator_states=(),
             in_refs=frozenset(slot.ref for slot in pending.slots),
-            in_storages=pending.in_storages,
+            in_storages=frozenset(slot.storage for slot in pending.slots),
             out_refs=out_refs,
             writes=writes,
             draws=pending.draws,
@@ -373,7 +373,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         the storages written and the device the operation ran on."""
         record = self.record
         out_refs: list[int | None] = []
-        writes = set(pending.writes)
+        writes = {slot.storage for slot in pending.slots if slot.written}
         device: torch.device | None = None
         for leaf in tree_flatten(result)[0]:
             if not isinstance(leaf, FakeTensor):
@@ -415,20 +415,22 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         self.record.point, self.record.point_epoch = point, _generator.epoch
         _generator.move_to(point)
 
-    def _ref_of(self, tensor: FakeTensor, func: Callable[..., Any]) -> int:
+    def _ref_of(self, tensor: FakeTensor, func: Callable[..., Any]) -> tuple[int, int]:
+        """The ref and the storage of a fake tensor given to ``func``."""
         if tensor.fake_mode is not self:
             raise DeferredInitError(
                 f"{_name(func)} was given a fake tensor that this deferred_init did not record (made by another fake "
                 f"mode or another deferred_init call) ({where()}); deferred modules can only be combined with tensors "
                 "made in the same deferred_init call or real ones"
             )
-        ref = self.record.keys.get(self._key_of(tensor))
+        key = self._key_of(tensor)
+        ref = self.record.keys.get(key)
         if ref is None:
             raise DeferredInitError(
                 f"{_name(func)} was given a fake tensor ({tuple(tensor.shape)}, {tensor.dtype}) whose making was not "
                 f"recorded ({where()}); make tensors with torch operations inside deferred_init"
             )
-        return ref
+        return ref, key[0]
 
     def _storage_of(self, tensor: torch.Tensor) -> int:
         storage = tensor.untyped_storage()
@@ -458,8 +460,6 @@ class _Pending:
     constant_slots: tuple[tuple[int, torch.Tensor, int], ...]
     device_slots: tuple[int, ...]
     generators: tuple[tuple[int, torch.Generator], ...]
-    in_storages: frozenset[int]
-    writes: frozenset[int]
     draws: Draws
     mutated: set[int]
     arg_refs: dict[int, int]
