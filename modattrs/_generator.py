@@ -41,11 +41,12 @@ _watching = False
 _suspended = 0  # while replays set the generator to states of their own, the position is not theirs to change
 
 
-def position() -> Position:
-    """Where the default CPU generator is now: a point of a record, or its real state."""
+def position(state: torch.Tensor | None = None) -> Position:
+    """Where the default CPU generator is now: a point of a record, or its real state (``state``, if the caller
+    has just read it)."""
     global _point, _point_state
     with lock:
-        state = real_state()
+        state = real_state() if state is None else state
         if _suspended:
             return state
         if _point is not None and _point_epoch == epoch and same(state, _point_state):
@@ -153,9 +154,11 @@ def _saving(func: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
 
     @functools.wraps(func)
     def saving() -> torch.Tensor:
+        if _point is None:  # no record is behind the generator (the common case): nothing to tag
+            return func()
         with lock:
             state = func()
-            at = position()
+            at = position(state)
             if not isinstance(at, torch.Tensor):
                 _tags[state] = at
             return state
