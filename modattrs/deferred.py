@@ -61,8 +61,7 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
             f"deferred_init({_name_of(module_fn)}) was called while another deferred_init records; build the inner "
             "module directly: everything inside the outer call is deferred already"
         )
-    install_process_hooks()
-    _register_builtin_opaque_inits()
+    _register_builtin_opaque_inits()  # installs fake mode's process hooks first
     _generator.watch()
     record = new_record()
     mode = RecordingFakeTensorMode(record)
@@ -290,10 +289,7 @@ def _by_record(chosen: list[tuple[str, FakeTensor]]) -> dict[int, tuple[Recordin
     for label, tensor in chosen:
         mode = _recording_mode(tensor)
         if mode is None:
-            raise DeferredInitError(
-                f"{label} is a fake tensor that no deferred_init recorded (made by fake_mode or fake_copy), so "
-                "there is nothing to replay for it; make it real by assigning a real tensor"
-            )
+            raise _not_recorded(label)
         groups.setdefault(id(mode), (mode, {}))[1][id(tensor)] = (label, tensor)
     return groups
 
@@ -414,10 +410,7 @@ def _recording_mode(tensor: object) -> RecordingFakeTensorMode | None:
 def _ref_of(label: str, tensor: FakeTensor) -> int:
     mode = _recording_mode(tensor)
     if mode is None:
-        raise DeferredInitError(
-            f"{label} is a fake tensor that no deferred_init recorded (made by fake_mode or fake_copy), so there is "
-            "nothing to replay for it; build it inside the deferred_init call, or assign a real tensor"
-        )
+        raise _not_recorded(label)
     ref = mode.ref_of(tensor)
     if ref is None and tensor.untyped_storage().device.type != "meta":
         raise DeferredInitError(
@@ -431,6 +424,13 @@ def _ref_of(label: str, tensor: FakeTensor) -> int:
             "(torch.Tensor._make_subclass); make it with torch operations"
         )
     return ref
+
+
+def _not_recorded(label: str) -> DeferredInitError:
+    return DeferredInitError(
+        f"{label} is a fake tensor that no deferred_init recorded (made by fake_mode or fake_copy), so there is "
+        "nothing to replay for it; build it inside the deferred_init call, or assign a real tensor"
+    )
 
 
 def _tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
