@@ -68,8 +68,7 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
 
     def __init__(self) -> None:
         super().__init__(allow_non_fake_inputs=True)
-        converter = self.fake_tensor_converter
-        self.fake_tensor_converter = _Converter(copy_data=converter.meta_converter.copy_data, export=converter.export)
+        self.fake_tensor_converter.__class__ = _Converter  # it adds no state: retyping beats building a second one
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ModattrsFakeTensorMode:
         return self
