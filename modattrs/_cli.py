@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
+from modattrs import _cuda_guard
 from modattrs.shaped import ShapedTensor
 from modattrs.virtual import VirtualTensor
 
@@ -119,12 +120,10 @@ def inspect(target: str, kwargs: Sequence[str], device_name: str, dtype_name: st
 
     spoof_cuda = device.type == "cuda" and not torch.cuda.is_available()
     if spoof_cuda:
-        from modattrs import _cuda_guard
-
         try:
             _cuda_guard.require()
         except RuntimeError as error:
-            raise UsageError(f"--device {device_name}: {error}") from None
+            raise UsageError(f"--device {device_name}: {error} Or run with --device cpu or --device meta.") from None
     try:
         return _build_and_measure(target, factory, keywords, device, dtype, spoof_cuda)
     except UsageError:
@@ -192,8 +191,8 @@ def _device(name: str) -> torch.device:
         raise UsageError(f"unknown device {name!r}; use cpu, cuda, cuda:N, meta, ...") from None
     if device.type not in ("cpu", "cuda", "meta"):
         raise UsageError(f"device {name!r} is not supported here; use cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available() and (device.index or 0) >= 8:
-        raise UsageError(f"device {name!r}: spoofed CUDA has cuda:0 to cuda:7")
+    if device.type == "cuda" and not torch.cuda.is_available() and (device.index or 0) >= _cuda_guard.MAX_DEVICES:
+        raise UsageError(f"device {name!r}: spoofed CUDA has cuda:0 to cuda:{_cuda_guard.MAX_DEVICES - 1}")
     return device
 
 

@@ -11,6 +11,7 @@ simulate backward passes over spoofed-CUDA graphs (see ``_fake_backward``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import sys
@@ -58,6 +59,7 @@ def ready() -> bool:
     return _ready or cuda_built()
 
 
+@functools.cache  # fixed for the build; asked on every fake dispatch with a device
 def cuda_built() -> bool:
     """Whether this build of torch has CUDA (or ROCm), with or without a GPU."""
     return bool(torch.backends.cuda.is_built())  # type: ignore[no-untyped-call]
@@ -83,8 +85,8 @@ def require() -> None:
                 _failure = f"{type(error).__name__}: {error}"
         raise RuntimeError(
             "fake CUDA needs a device guard that this CPU-only build of torch lacks; modattrs compiles one at first "
-            f"use, and that failed ({_failure}). Install a C++ compiler (g++) and ninja (pip install ninja) to use "
-            "fake_cuda=True; without them, "
+            f"use, and that failed ({_failure}). Install a C++ compiler (g++) and ninja (pip install ninja) and "
+            "restart Python to use fake_cuda=True; without them, "
             "build the model on the meta device (with torch.device('meta')) to inspect it, or make a fake CPU "
             "twin with modattrs.fake.fake_copy(model)."
         )
