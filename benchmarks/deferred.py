@@ -12,24 +12,17 @@ from __future__ import annotations
 
 import functools
 import gc
-import resource
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
+from _timing import LLAMA_2_7B, peak_mib
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from modattrs.deferred import deferred_init, materialize_module
 
-LLAMA_7B = LlamaConfig(
-    hidden_size=4096,
-    intermediate_size=11008,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=32,
-    vocab_size=32000,
-)
+LLAMA_7B = LlamaConfig(**LLAMA_2_7B)
 LLAMA_150M = LlamaConfig(
     hidden_size=768,
     intermediate_size=2048,
@@ -38,10 +31,6 @@ LLAMA_150M = LlamaConfig(
     num_key_value_heads=12,
     vocab_size=32000,
 )
-
-
-def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def seconds(fn: Callable[[], object]) -> float:

@@ -7,27 +7,16 @@ after warm-up as a ratio against the meta-device build, the floor, measured in t
 
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 
 import torch
+from _timing import LLAMA_2_7B, peak_mib
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from modattrs.fake import fake_mode
 
-CONFIG = LlamaConfig(
-    hidden_size=4096,
-    intermediate_size=11008,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=32,
-    vocab_size=32000,
-)
-
-
-def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+CONFIG = LlamaConfig(**LLAMA_2_7B)
 
 
 def build_meta() -> None:
