@@ -100,14 +100,25 @@ def _as_list(tensors: Any) -> list[Any]:
 
 
 def _spoofed(outputs: list[Any]) -> bool:
-    """Whether the graph from ``outputs`` involves spoofed-CUDA fakes (the outputs, or the leaves they reach)."""
+    """Whether the graph from ``outputs`` involves spoofed-CUDA fakes: the outputs, a leaf, or a gradient on the
+    way (a fake CPU output of a CUDA graph, ``.cpu()``). Only looks; what torch checks is checked later."""
     fakes: list[Tensor] = [t for t in outputs if isinstance(t, FakeTensor)]
-    if not fakes:
-        return False
     if any(t.device.type == "cuda" for t in fakes):
         return True
-    leaves = _reachable_leaves(fakes, [torch.ones(())] * len(fakes))  # a fake CPU output of a CUDA graph (.cpu())
-    return any(isinstance(t, FakeTensor) and t.device.type == "cuda" for t in leaves)
+    nodes = [t.grad_fn for t in fakes if t.grad_fn is not None]
+    seen: set[int] = set()
+    while nodes:
+        node = nodes.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
+        if isinstance(variable, Tensor) and variable.device.type == "cuda":
+            return True
+        if any(metadata.device.type == "cuda" for metadata in getattr(node, "_input_metadata", ())):
+            return True  # the gradient this node receives is on CUDA
+        nodes.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return False
 
 
 def _refuse_double_backward(create_graph: bool) -> None:

@@ -411,6 +411,28 @@ def test_spoofed_backward_edge_cases() -> None:
     ]
 
 
+def test_backward_of_fake_cpu_graphs_after_spoofed_cuda_is_torchs_own_and_a_cuda_middle_is_simulated() -> None:
+    result = run_python(
+        """
+        import torch
+        from torch.utils.checkpoint import checkpoint
+        from modattrs.fake import fake_mode, is_fake
+
+        with fake_mode(fake_cuda=True):
+            pass  # spoofed CUDA set up in the process
+        with fake_mode():
+            linear = torch.nn.Linear(4, 4)
+            checkpoint(linear, torch.ones(2, 4, requires_grad=True), use_reentrant=True).sum().backward()
+            print(is_fake(linear.weight.grad))
+        with fake_mode(fake_cuda=True):
+            x = torch.ones(2, 4, requires_grad=True)
+            (x.cuda() * 2).cpu().sum().backward()
+            print(is_fake(x.grad), x.grad.device)
+        """
+    )
+    assert result.stdout.split() == ["True", "True", "cpu"], result.stderr
+
+
 def test_backward_checks_what_torch_checks() -> None:
     result = run_python(
         """
