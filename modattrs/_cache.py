@@ -146,7 +146,7 @@ def _table(owner: nn.Module, table: int) -> dict[str, Any]:
     return owner._modules if table == _MODULES else owner.__dict__
 
 
-def snapshot_of(owner: nn.Module, names: tuple[str, ...]) -> list[Dependency]:
+def snapshot_of(owner: nn.Module, names: tuple[str, ...], attribute: str) -> list[Dependency]:
     """The dependencies' current state: which of the owner's dictionaries holds each (read directly: ``getattr``
     on a module is slow), and its value. A tensor is held with its TensorImpl's address, version counter and
     ``requires_grad``: ``torch.utils.swap_tensors`` keeps the Python object and changes the TensorImpl. It is held
@@ -159,7 +159,8 @@ def snapshot_of(owner: nn.Module, names: tuple[str, ...]) -> list[Dependency]:
         if current is _MISSING:
             raise AttributeError(
                 f"{name!r}, which a VirtualTensor depends on, is no longer a parameter, buffer, submodule or "
-                f"instance attribute of {type(owner).__name__} (was it parametrized or deleted?)"
+                f"instance attribute of {type(owner).__name__} (was it parametrized or deleted?); recreate "
+                f"VirtualTensor {attribute!r} with the depends_on its module has now"
             )
         if isinstance(current, Tensor):
             # Inference tensors have no version counter (and can be modified in place only in inference mode):

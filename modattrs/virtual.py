@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import types
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -202,14 +203,16 @@ class VirtualTensor(OwnedAttribute):
             enter = None
         else:
             mode = enter = own_mode  # a fake reference read outside its mode: in its mode, as the same state
-        dtype = self._dtype or self._dtype_from_dtype(owner) or ref.dtype
         scope = _cache.scope()
+        if self._cache is None and scope is None:  # nothing is kept: no dtype or snapshot to take
+            return self._compute_in(enter, owner, ref)
+        dtype = self._dtype or self._dtype_from_dtype(owner) or ref.dtype
         if scope is not None:
             entry = scope.get(id(self))
             if entry is not None and entry.current(owner, ref, dtype, mode):
                 return entry.value
         # Taken before computing: a dependency changed meanwhile makes the entry stale, never wrongly current.
-        snapshot = snapshot_of(owner, self._depends_on)
+        snapshot = snapshot_of(owner, self._depends_on, self._name)
         if self._cache is None:
             value = self._compute_in(enter, owner, ref)
         else:
@@ -351,7 +354,7 @@ class VirtualTensor(OwnedAttribute):
         if dtype is not None:
             self._refuse_dtype_change()
         device = ref.device if device is None else device
-        dtype = self.dtype if dtype is None else dtype
+        dtype = (self._dtype or ref.dtype) if dtype is None else dtype  # not dtype_from's: it is read at each value
         if self._dtype is None and not _can_follow(dtype):
             raise ValueError(
                 f"VirtualTensor {self._name!r} follows the module's dtype, which must be floating-point or "
@@ -570,15 +573,19 @@ def sync_references(
             )
         device = loaded.device if device is None and loaded is not None else device
         dtype = loaded.dtype if dtype is None and loaded is not None else dtype
+    if dtype is not None and not _can_follow(dtype) and any(attribute.follow_dtype for attribute in pending):
+        raise ValueError(
+            f"sync_references: VirtualTensors follow the module's dtype, which must be floating-point or complex, "
+            f"got {dtype}; pass a floating dtype, or dtype=None to keep theirs"
+        )
     for attribute in pending:
-        attribute.to(device=device)
-        if attribute.follow_dtype and dtype is not None:
-            attribute.to(dtype=dtype)
+        attribute.to(device=device, dtype=dtype if attribute.follow_dtype else None)
 
 
 def _first_real_floating_tensor(module: nn.Module) -> Tensor | None:
-    """The first floating-point tensor with data of ``module``: its own parameters and buffers, then its children's."""
-    for tensor in (*module.parameters(), *module.buffers()):
+    """The first floating-point tensor with data of ``module``: parameters first (its own, then its children's),
+    then buffers."""
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
         if tensor.is_floating_point() and tensor.numel() and not tensor.is_meta:
             return tensor
     return None

@@ -327,6 +327,14 @@ def test_sync_references_without_any_data_asks_for_a_device() -> None:
     assert module.empty.twos.device == torch.device("meta")
 
 
+def test_sync_references_with_a_dtype_modules_cannot_follow_moves_nothing() -> None:
+    with torch.device("meta"):
+        module = models.Outer()
+    with pytest.raises(ValueError, match=r"must be floating-point or complex, got torch\.int64"):
+        modattrs.sync_references(module, device="cpu", dtype=torch.int64)
+    assert all(ref.is_meta for name, ref in module.named_buffers() if name.endswith("_ref"))
+
+
 def test_sync_references_leaves_real_references_alone() -> None:
     module = models.Outer().double()
     modattrs.sync_references(module, device="meta", dtype=torch.float16)

@@ -455,6 +455,18 @@ class Occupied(nn.Module):
         return torch.zeros(1, dtype=dtype, device=device)
 
 
+def test_moving_an_attribute_with_dtype_from_keeps_its_reference_dtype_whatever_that_tensor_is() -> None:
+    m = Scaled()
+    m.proj.weight.data = m.proj.weight.data.to(torch.float16)
+    m.scale.to("meta")
+    assert m._buffers["_scale_ref"].dtype == torch.float32
+    m.register_buffer("positions", torch.arange(3))  # a dtype a module could not follow
+    VirtualTensor(m, "counted", doubled, dtype_from="positions")
+    m.counted.device = "meta"
+    assert m.counted.device == torch.device("meta")
+    assert m.counted.value.dtype == torch.int64
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
