@@ -250,6 +250,14 @@ def _release(
             remove_registered(owner, derived_name)
 
 
+def set_persistent(owner: nn.Module, buffer: str, persist: bool) -> None:
+    """Put the owner's buffer into its ``state_dict``, or take it out."""
+    if persist:
+        owner._non_persistent_buffers_set.discard(buffer)
+    else:
+        owner._non_persistent_buffers_set.add(buffer)
+
+
 def remove_registered(owner: nn.Module, name: str) -> None:
     owner._parameters.pop(name, None)
     owner._buffers.pop(name, None)

@@ -8,7 +8,15 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from modattrs._attribute import OwnedAttribute, bind, check_names, check_owner, stored_tensor, take_over
+from modattrs._attribute import (
+    OwnedAttribute,
+    bind,
+    check_names,
+    check_owner,
+    set_persistent,
+    stored_tensor,
+    take_over,
+)
 
 __all__ = ["ShapedTensor"]
 
@@ -209,10 +217,7 @@ class ShapedTensor(OwnedAttribute):
             if not persist:
                 raise ValueError(f"ShapedTensor {self._name!r}: parameter data is always in the state_dict")
             return
-        if persist:
-            owner._non_persistent_buffers_set.discard(self._data_name)
-        else:
-            owner._non_persistent_buffers_set.add(self._data_name)
+        set_persistent(owner, self._data_name, persist)
 
     @property
     def persist_constraints(self) -> bool:

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from modattrs import _cache
-from modattrs._attribute import OwnedAttribute, bind, check_names, check_owner, take_over
+from modattrs._attribute import OwnedAttribute, bind, check_names, check_owner, set_persistent, take_over
 from modattrs._cache import Cache, Entry, keeps_graph, snapshot_of
 
 __all__ = ["VirtualTensor", "sync_references"]
@@ -334,10 +334,7 @@ class VirtualTensor(OwnedAttribute):
     def persist(self, persist: bool) -> None:
         owner = self._live_owner()
         self._reference(owner)  # raises if it is gone
-        if persist:
-            owner._non_persistent_buffers_set.discard(self._ref_name)
-        else:
-            owner._non_persistent_buffers_set.add(self._ref_name)
+        set_persistent(owner, self._ref_name, persist)
 
     def to(self, *args: Any, **kwargs: Any) -> VirtualTensor:
         """Change the dtype and/or device; accepts the arguments of :meth:`torch.Tensor.to`. Returns ``self``.
