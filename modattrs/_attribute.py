@@ -16,8 +16,9 @@ Both :class:`~modattrs.VirtualTensor` and :class:`~modattrs.ShapedTensor` are ob
 from __future__ import annotations
 
 import keyword
+import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
@@ -28,18 +29,26 @@ __all__: list[str] = []
 class OwnedAttribute:
     """Base of the attributes that a module owns through its ``__dict__``."""
 
-    __slots__ = ("__weakref__", "_hook_ids", "_name", "_owner_ref")
+    __slots__ = ("__weakref__", "_hook_ids", "_lock", "_name", "_owner_ref")
 
     #: Suffixes of the names this kind of attribute registers on its owner, e.g. ``("ref",)``.
     _suffixes: ClassVar[tuple[str, ...]] = ()
+    #: Suffixes of ``state_dict`` keys it adds without registering anything: names it needs free at creation, and
+    #: never removes (a tensor registered under one later is somebody else's).
+    _key_suffixes: ClassVar[tuple[str, ...]] = ()
 
     _owner_ref: weakref.ref[nn.Module]
     _name: str
     _hook_ids: tuple[int, int, int]
+    _lock: threading.RLock  # held by every change of the attribute, so that threads change it one at a time
 
     @classmethod
     def _derived(cls, name: str) -> tuple[str, ...]:
         return tuple(f"_{name}_{suffix}" for suffix in cls._suffixes)
+
+    @classmethod
+    def _reserved(cls, name: str) -> tuple[str, ...]:
+        return cls._derived(name) + tuple(f"_{name}_{suffix}" for suffix in cls._key_suffixes)
 
     @property
     def name(self) -> str:
@@ -63,21 +72,47 @@ class OwnedAttribute:
             )
         return owner
 
+    def _registered(self, owner: nn.Module) -> bool:
+        """Whether what this attribute registered on ``owner`` is still its own: false once a newer attribute of
+        the same name took it over, even if this one had been deleted from the module before (and so could not be
+        told). Hook ids are never reused, and copies of a module keep them."""
+        return self._hook_ids[0] in owner._state_dict_hooks
+
+    def _replaced(self) -> ReferenceError:
+        return ReferenceError(
+            f"this {type(self).__name__} {self._name!r} is detached: a newer attribute of the same name replaced it "
+            "on its module; read the module's attribute instead of an old reference"
+        )
+
     def _where(self) -> str:
         owner = self._owner_ref()
         return "no owner" if owner is None else f"owner={type(owner).__name__}"
 
     def _owner_gone(self) -> ReferenceError:
         if self._owner_ref is _DETACHED:
-            return ReferenceError(
-                f"this {type(self).__name__} {self._name!r} is detached: a newer attribute of the same name "
-                "replaced it on its module; read the module's attribute instead of an old reference"
-            )
+            return self._replaced()
         return ReferenceError(
             f"{type(self).__name__} {self._name!r} has no owner: the module it belonged to was deleted (a "
             "temporary, as in Model().attr.value, is deleted at once); keep a reference to the module while "
             "its attributes are used"
         )
+
+    def _claim(self, owner: object, name: object) -> tuple[nn.Module, str]:
+        """First step of construction: check ``owner`` and ``name`` before anything is changed, and remember them
+        (so that later checks can name the attribute)."""
+        module = check_owner(type(self).__name__, owner)
+        checked = check_names(type(self), module, name)
+        self._name = checked
+        self._owner_ref = weakref.ref(module)
+        self._lock = threading.RLock()
+        return module, checked
+
+    def _attach(self, owner: nn.Module, register: Callable[[], None]) -> None:
+        """Last step of construction, once every check passed: take the name over from this module's earlier
+        attribute of that name, register the derived tensors (``register``), and become ``owner.<name>``."""
+        take_over(owner, self._name)
+        register()
+        bind(self, owner)
 
     # Subclasses override these three; the hooks below call them on the attribute bound under the name.
     def _on_state_dict(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
@@ -107,7 +142,7 @@ class OwnedAttribute:
         """Finish a copy bound to ``owner``, which may still be empty (being unpickled): do not read its state."""
 
 
-_BINDING = frozenset({"__weakref__", "_owner_ref"})
+_BINDING = frozenset({"__weakref__", "_owner_ref", "_lock"})
 
 
 class _Nothing:
@@ -122,6 +157,7 @@ def _rebuild(cls: type[OwnedAttribute], owner: nn.Module, fields: dict[str, Any]
     for slot, value in fields.items():
         setattr(attribute, slot, value)
     attribute._owner_ref = weakref.ref(owner)
+    attribute._lock = threading.RLock()
     attribute._rebind(owner)
     arm_finalizer(attribute)
     return attribute
@@ -135,36 +171,47 @@ def check_owner(kind: str, owner: object) -> nn.Module:
     return owner
 
 
-def check_names(attribute: OwnedAttribute, owner: nn.Module, name: object) -> str:
+def check_names(kind: type[OwnedAttribute], owner: nn.Module, name: object) -> str:
     """Validate ``name`` and its derived names on ``owner``; raise before anything is changed.
 
-    On success ``attribute`` knows its name and owner (so that it can describe itself); nothing else is set.
+    The name may be taken over only from this module's own attribute of that name (see :func:`take_over`): an
+    alias (``module.name = other.attribute``) is an occupied name like any other instance attribute.
     """
-    kind = type(attribute).__name__
+    what = kind.__name__
     if not isinstance(name, str):
-        raise TypeError(f"{kind} name must be a str, got {type(name).__name__}")
+        raise TypeError(f"{what} name must be a str, got {type(name).__name__}")
     if not name.isidentifier() or keyword.iskeyword(name):
-        raise ValueError(f"{kind} name must be a Python identifier that is not a keyword, got {name!r}")
-    if not isinstance(owner.__dict__.get(name), OwnedAttribute) and _occupied(owner, name):
+        raise ValueError(f"{what} name must be a Python identifier that is not a keyword, got {name!r}")
+    current = owner.__dict__.get(name)
+    if isinstance(current, OwnedAttribute):
+        if not _is_own(current, owner, name):
+            raise ValueError(
+                f"cannot create {what} {name!r}: {type(owner).__name__}.{name} is an alias of {current!r}, which is "
+                f"left as it is; delete the alias first (del module.{name}) or choose another name"
+            )
+    elif _occupied(owner, name):
         raise ValueError(
-            f"cannot create {kind} {name!r}: {type(owner).__name__} already has an attribute {name!r} "
+            f"cannot create {what} {name!r}: {type(owner).__name__} already has an attribute {name!r} "
             f"({_describe(owner, name)}); choose another name or delete the attribute first"
         )
     claimed = {derived for hook in _hooks_of(owner, name) for derived in hook.derived}
-    for derived_name in type(attribute)._derived(name):
+    for derived_name in kind._reserved(name):
         if derived_name not in claimed and _occupied(owner, derived_name):
             raise ValueError(
-                f"cannot create {kind} {name!r}: it stores its data as {derived_name!r}, which "
+                f"cannot create {what} {name!r}: it stores its data as {derived_name!r}, which "
                 f"{type(owner).__name__} already has ({_describe(owner, derived_name)}); choose another name"
             )
-    attribute._name = name
-    attribute._owner_ref = weakref.ref(owner)
     return name
+
+
+def _is_own(attribute: OwnedAttribute, owner: nn.Module, name: str) -> bool:
+    return attribute._owner_ref() is owner and attribute._name == name
 
 
 def take_over(owner: nn.Module, name: str) -> None:
     """Remove what earlier attributes named ``name`` registered: the bound one, and any deleted from the module
-    but still referenced elsewhere (their finalizers have not run). Call once validation has passed."""
+    but still referenced elsewhere (their finalizers have not run; once their hooks are gone they know they were
+    replaced, see :meth:`OwnedAttribute._registered`). Call once validation has passed."""
     current = owner.__dict__.get(name)
     for hooks in (owner._state_dict_hooks, owner._load_state_dict_pre_hooks, owner._load_state_dict_post_hooks):
         for hook_id, registered in list(hooks.items()):
@@ -173,7 +220,7 @@ def take_over(owner: nn.Module, name: str) -> None:
                 del hooks[hook_id]
                 for derived_name in hook.derived:
                     remove_registered(owner, derived_name)
-    if isinstance(current, OwnedAttribute):
+    if isinstance(current, OwnedAttribute) and _is_own(current, owner, name):
         current._owner_ref = _DETACHED
 
 

@@ -1,9 +1,13 @@
 """Caches of :class:`~modattrs.VirtualTensor` values: each attribute's lasting cache, and ``modattrs.cached()``.
 
-A cached value is reused while the *state* it was computed in holds: the same reference buffer object (every
-conversion of a module replaces its buffers, so this covers dtype and device changes by any route), the same
-dtype, the same grad and inference modes, the same fake mode, and unchanged declared dependencies. The state is
-compared field by field, and holds no tensor but the zero-element reference: dependencies are held weakly.
+A cached value is reused while the *state* it was computed in holds: the same reference buffer, object and
+TensorImpl (every conversion of a module replaces its buffers, and ``torch.utils.swap_tensors``, which
+``load_state_dict`` uses in swap mode, replaces the TensorImpl inside the object, so this covers dtype and device
+changes by any route), the same dtype, the same grad and inference modes, the same fake mode, and unchanged
+declared dependencies. The state is compared field by field.
+
+A value computed inside a fake mode is kept apart from the value computed outside every fake mode: reading in a
+fake mode never replaces, and is never served, the real value.
 """
 
 from __future__ import annotations
@@ -62,12 +66,13 @@ class Entry:
     reused. The dtype is kept too, for fixed dtypes and ``dtype_from``. See :func:`snapshot_of` for dependencies.
     """
 
-    __slots__ = ("dependencies", "dtype", "grad", "inference", "mode", "plain", "ref", "value")
+    __slots__ = ("dependencies", "dtype", "grad", "impl", "inference", "mode", "plain", "ref", "value")
 
     def __init__(
         self, ref: Tensor, dtype: torch.dtype, mode: object, dependencies: list[Dependency], value: Tensor
     ) -> None:
         self.ref = ref
+        self.impl = ref._cdata  # swap_tensors keeps the object and replaces this
         self.dtype = dtype  # for dtype_from, whose dtype changes without the reference
         self.grad = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
@@ -104,7 +109,7 @@ class Entry:
 
     def current(self, owner: nn.Module, ref: Tensor, dtype: torch.dtype, mode: object) -> bool:
         """Whether the value still holds for a read of ``ref`` as ``dtype`` in fake mode ``mode`` (or none)."""
-        if self.ref is not ref or self.dtype is not dtype or self.mode is not mode:
+        if self.ref is not ref or self.impl != ref._cdata or self.dtype is not dtype or self.mode is not mode:
             return False
         if not self.plain and (
             self.grad is not torch.is_grad_enabled() or self.inference is not torch.is_inference_mode_enabled()
@@ -114,20 +119,34 @@ class Entry:
 
 
 class Cache:
-    """The lasting cache of one attribute: one entry at most, and a lock so that concurrent readers compute once."""
+    """The lasting cache of one attribute, and a lock so that concurrent readers compute once.
 
-    __slots__ = ("entry", "lock")
+    It keeps two entries at most: ``entry``, a value read outside every fake mode (the one the hot path of
+    ``VirtualTensor.value`` looks at), and ``fake_entry``, a value read in a fake mode (the latest such mode).
+    """
+
+    __slots__ = ("entry", "fake_entry", "lock")
 
     def __init__(self) -> None:
         self.entry: Entry | None = None
+        self.fake_entry: Entry | None = None
         self.lock = threading.RLock()  # reentrant: a materializer may read other attributes, or invalidate
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Cache, ())  # copies and pickles start empty
 
+    def get(self, mode: object) -> Entry | None:
+        return self.entry if mode is None else self.fake_entry
+
+    def put(self, mode: object, entry: Entry | None) -> None:
+        if mode is None:
+            self.entry = entry
+        else:
+            self.fake_entry = entry
+
     def clear(self) -> None:
         with self.lock:
-            self.entry = None
+            self.entry = self.fake_entry = None
 
 
 #: (which dictionary of the owner, name, value, TensorImpl address, version, requires_grad); the last three are

@@ -7,20 +7,18 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 
-from modattrs._attribute import (
-    OwnedAttribute,
-    bind,
-    check_names,
-    check_owner,
-    set_persistent,
-    stored_tensor,
-    take_over,
-)
+from modattrs._attribute import OwnedAttribute, set_persistent, stored_tensor
 
 __all__ = ["ShapedTensor"]
 
 Constraints = dict[int, int]
+
+#: Constrained dims lie in ``[-MAX_DIMS, MAX_DIMS)``; sizes in ``[0, MAX_SIZE]``. Checkpoints are held to the same
+#: bounds: the saved form of the constraints is as wide as the largest dim.
+MAX_DIMS = 64
+MAX_SIZE = 2**63 - 1
 
 _UNINITIALIZED = (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)
 
@@ -67,7 +65,8 @@ class ShapedTensor(OwnedAttribute):
     __slots__ = ("_constraints", "_constraints_key", "_data_name", "_live", "_persist_constraints", "_strict")
 
     LinkedAttributes = ShapedTensorAttributes
-    _suffixes = ("data", "constraints")
+    _suffixes = ("data",)
+    _key_suffixes = ("constraints",)
 
     _constraints: Constraints
     _data_name: str
@@ -87,8 +86,7 @@ class ShapedTensor(OwnedAttribute):
         strict: bool = True,
         live: bool = False,
     ) -> None:
-        owner = check_owner("ShapedTensor", owner)
-        name = check_names(self, owner, name)
+        owner, name = self._claim(owner, name)
         checked = _check_constraints(name, {} if constraints is None else constraints)
         if value is not None and not isinstance(value, Tensor):
             raise TypeError(f"ShapedTensor {name!r}: value must be a Tensor or None, got {type(value).__name__}")
@@ -101,17 +99,15 @@ class ShapedTensor(OwnedAttribute):
                 "hold; pass a plain tensor to store the data as a non-persistent buffer"
             )
 
-        self._data_name, self._constraints_key = self._derived(name)
+        self._data_name, self._constraints_key = self._reserved(name)
         self._constraints = checked
         self._strict = bool(strict)
         self._live = bool(live)
         self._persist_constraints = bool(persist_constraints)
-        take_over(owner, name)
         if is_parameter:
-            owner.register_parameter(self._data_name, value)  # type: ignore[arg-type]
+            self._attach(owner, lambda: owner.register_parameter(self._data_name, value))  # type: ignore[arg-type]
         else:
-            owner.register_buffer(self._data_name, value, persistent=bool(persist_data))
-        bind(self, owner)
+            self._attach(owner, lambda: owner.register_buffer(self._data_name, value, persistent=bool(persist_data)))
 
     @classmethod
     def create(
@@ -144,12 +140,13 @@ class ShapedTensor(OwnedAttribute):
 
     @value.setter
     def value(self, value: Tensor | None) -> None:
-        owner = self._live_owner()
         if value is not None and not isinstance(value, Tensor):
             raise TypeError(f"ShapedTensor {self._name!r}: value must be a Tensor or None, got {type(value).__name__}")
-        if self._live and value is not None and not _ignored(value) and not self.compatible(value):
-            raise ValueError(_mismatch(self._name, value.shape, self._constraints, self._strict))
-        self._store(owner, value)
+        with self._lock:
+            owner = self._live_owner()
+            if self._live and value is not None and not _ignored(value) and not self.compatible(value):
+                raise ValueError(_mismatch(self._name, value.shape, self._constraints, self._strict))
+            self._store(owner, value)
 
     @property
     def constraints(self) -> Constraints:
@@ -181,7 +178,9 @@ class ShapedTensor(OwnedAttribute):
 
     @live.setter
     def live(self, live: bool) -> None:
-        self._live = bool(live)
+        with self._lock:
+            self._live_owner()
+            self._live = bool(live)
 
     @property
     def strict(self) -> bool:
@@ -191,18 +190,19 @@ class ShapedTensor(OwnedAttribute):
     @strict.setter
     def strict(self, strict: bool) -> None:
         strict = bool(strict)
-        value = self.value
-        if (
-            value is not None
-            and not _ignored(value)
-            and self.compatible(value)
-            and not _satisfies(value.shape, self._constraints, strict)
-        ):
-            raise ValueError(
-                f"cannot make ShapedTensor {self._name!r} {'strict' if strict else 'non-strict'}: its data's "
-                + _violation(value.shape, self._constraints, strict)
-            )
-        self._strict = strict
+        with self._lock:
+            value = self.value
+            if (
+                value is not None
+                and not _ignored(value)
+                and self.compatible(value)
+                and not _satisfies(value.shape, self._constraints, strict)
+            ):
+                raise ValueError(
+                    f"cannot make ShapedTensor {self._name!r} {'strict' if strict else 'non-strict'}: its data's "
+                    + _violation(value.shape, self._constraints, strict)
+                )
+            self._strict = strict
 
     @property
     def persist_data(self) -> bool:
@@ -212,12 +212,13 @@ class ShapedTensor(OwnedAttribute):
 
     @persist_data.setter
     def persist_data(self, persist: bool) -> None:
-        owner = self._live_owner()
-        if self._data_name in owner._parameters:
-            if not persist:
-                raise ValueError(f"ShapedTensor {self._name!r}: parameter data is always in the state_dict")
-            return
-        set_persistent(owner, self._data_name, persist)
+        with self._lock:
+            owner = self._live_owner()
+            if self._data_name in owner._parameters:
+                if not persist:
+                    raise ValueError(f"ShapedTensor {self._name!r}: parameter data is always in the state_dict")
+                return
+            set_persistent(owner, self._data_name, persist)
 
     @property
     def persist_constraints(self) -> bool:
@@ -226,7 +227,9 @@ class ShapedTensor(OwnedAttribute):
 
     @persist_constraints.setter
     def persist_constraints(self, persist: bool) -> None:
-        self._persist_constraints = bool(persist)
+        with self._lock:
+            self._live_owner()
+            self._persist_constraints = bool(persist)
 
     def compatible(self, tensor: Tensor) -> bool:
         """Whether ``tensor``'s shape satisfies the constraints (ignored values are not special here)."""
@@ -244,37 +247,37 @@ class ShapedTensor(OwnedAttribute):
             ValueError: ``size`` is negative, ``dim`` is not constrained (removal), the data has too few dims,
                 or the result would still violate another constraint. Nothing is changed then.
         """
-        owner = self._live_owner()
         dim = _check_int(self._name, "dim", dim)
-        constraints = dict(self._constraints)
-        if size is None:
-            if dim not in constraints:
+        with self._lock:  # read, resize and store as one step: another thread's resize in between would be lost
+            owner = self._live_owner()
+            constraints = dict(self._constraints)
+            if size is None:
+                if dim not in constraints:
+                    raise ValueError(
+                        f"ShapedTensor {self._name!r}: dim {dim} is not constrained, so there is nothing to "
+                        f"remove; constrained dims: {sorted(constraints)}"
+                    )
+                del constraints[dim]
+            else:
+                constraints[_check_dim(self._name, dim)] = _check_size(self._name, dim, size)
+            value = self.value
+            if _ignored(value):
+                self._constraints = constraints
+                return value
+            assert value is not None
+            needed = _dimensionality(constraints, self._strict)
+            if size is not None and value.dim() < needed:
                 raise ValueError(
-                    f"ShapedTensor {self._name!r}: dim {dim} is not constrained, so there is nothing to remove; "
-                    f"constrained dims: {sorted(constraints)}"
+                    f"ShapedTensor {self._name!r}: constraining dim {dim} needs at least {needed} dims, but the "
+                    f"data has shape {tuple(value.shape)}"
                 )
-            del constraints[dim]
+            resized = value if size is None else self.resize(value, dim, size)
+            if not _satisfies(resized.shape, constraints, self._strict):
+                raise ValueError(_mismatch(self._name, resized.shape, constraints, self._strict))
+            if resized is not value:
+                self._store(owner, resized)
             self._constraints = constraints
             return self.value
-        constraints[dim] = _check_size(self._name, dim, size)
-        value = self.value
-        if _ignored(value):
-            self._constraints = constraints
-            return value
-        assert value is not None
-        needed = _dimensionality(constraints, self._strict)
-        if value.dim() < needed:
-            raise ValueError(
-                f"ShapedTensor {self._name!r}: constraining dim {dim} needs at least {needed} dims, but the data "
-                f"has shape {tuple(value.shape)}"
-            )
-        resized = self.resize(value, dim, size)
-        if not _satisfies(resized.shape, constraints, self._strict):
-            raise ValueError(_mismatch(self._name, resized.shape, constraints, self._strict))
-        if resized is not value:
-            self._store(owner, resized)
-        self._constraints = constraints
-        return self.value
 
     @staticmethod
     def resize(tensor: Tensor, dim: int, size: int, preserve_tail: bool = True, fill: Any = 0) -> Tensor:
@@ -317,26 +320,39 @@ class ShapedTensor(OwnedAttribute):
             if current is None or isinstance(current, _UNINITIALIZED):
                 value = nn.Parameter(value)  # the data stays a parameter
             else:
-                if current.shape != value.shape:
+                reshaped = current.shape != value.shape
+                current.data = value  # first: it raises for data a parameter cannot hold, with nothing changed
+                if reshaped:
                     current.grad = None  # a gradient of the old shape would break the next backward or step
-                current.data = value
                 return
         setattr(owner, name, value)
 
     def _on_state_dict(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
         if self._persist_constraints:
+            self._refuse_a_namesake(owner)
             state_dict[prefix + self._constraints_key] = _encode(
                 self._constraints, stored_tensor(owner, self._data_name)
             )
 
     def _on_load(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
-        # Saved constraints are consumed in any case, so that switching persist_constraints never breaks a strict
-        # load; they replace the current ones only when this attribute persists them.
-        saved = state_dict.pop(prefix + self._constraints_key, None)
-        data_key = prefix + self._data_name
+        with self._lock:
+            self._load(owner, state_dict, prefix, error_msgs)
+
+    def _load(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
+        data_key, constraints_key = prefix + self._data_name, prefix + self._constraints_key
         current = stored_tensor(owner, self._data_name)
+        if _occupied_by_tensor(owner, self._constraints_key):
+            # The key is a namesake's, registered after this attribute: it is left to torch to load.
+            if self._persist_constraints:
+                error_msgs.append(f"{prefix}{self._name}: {self._namesake_message(owner)}")
+                self._keep_data(state_dict, data_key, current)
+            return
+        # Saved constraints are consumed in any case, so that switching persist_constraints never breaks a strict
+        # load; they replace the current ones only when this attribute persists them, and can be read: a checkpoint
+        # loaded with map_location="meta" (or in fake mode) has no values, so the current ones stay.
+        saved = state_dict.pop(constraints_key, None)
         constraints = self._constraints
-        if saved is not None and self._persist_constraints:
+        if saved is not None and self._persist_constraints and _readable(saved):
             try:
                 constraints = _check_constraints(self._name, _decode(saved))
             except (TypeError, ValueError) as error:
@@ -345,6 +361,8 @@ class ShapedTensor(OwnedAttribute):
                 return
         persistent = self._data_name not in owner._non_persistent_buffers_set
         loaded = state_dict.get(data_key) if persistent else None
+        if not isinstance(loaded, Tensor) and constraints is self._constraints:
+            return  # nothing of this attribute changes: its current data is not this load's business
         incoming = loaded if isinstance(loaded, Tensor) else current  # what the data will be after the load
         if (
             incoming is not None
@@ -373,6 +391,17 @@ class ShapedTensor(OwnedAttribute):
             self._store(owner, replacement)
         self._constraints = constraints
 
+    def _refuse_a_namesake(self, owner: nn.Module) -> None:
+        if _occupied_by_tensor(owner, self._constraints_key):
+            raise RuntimeError(self._namesake_message(owner))
+
+    def _namesake_message(self, owner: nn.Module) -> str:
+        return (
+            f"ShapedTensor {self._name!r} saves its constraints under the state_dict key {self._constraints_key!r}, "
+            f"and {type(owner).__name__} has a tensor of that name, registered after the attribute; one of them would "
+            "be lost: register that tensor under another name, or set persist_constraints = False"
+        )
+
     @staticmethod
     def _keep_data(state_dict: dict[str, Any], key: str, current: Tensor | None) -> None:
         # The load fails (error_msgs), but torch still copies every key it can: make this one a copy onto itself.
@@ -380,6 +409,15 @@ class ShapedTensor(OwnedAttribute):
             state_dict.pop(key, None)
         elif key in state_dict:
             state_dict[key] = current
+
+
+def _occupied_by_tensor(owner: nn.Module, name: str) -> bool:
+    return name in owner._buffers or name in owner._parameters
+
+
+def _readable(saved: object) -> bool:
+    """Whether saved constraints have values: a tensor on the meta device, or a fake one, has none."""
+    return not isinstance(saved, Tensor) or not (saved.is_meta or isinstance(saved, FakeTensor))
 
 
 def _ignored(value: Tensor | None) -> bool:
@@ -423,17 +461,29 @@ def _check_int(name: str, what: str, value: object) -> int:
     return value
 
 
-def _check_size(name: str, dim: int, size: object) -> int:
+def _check_size(name: str, dim: object, size: object) -> int:
     size = _check_int(name, f"the size of dim {dim}", size)
     if size < 0:
         raise ValueError(f"ShapedTensor {name!r}: the size of dim {dim} must be non-negative, got {size}")
+    if size > MAX_SIZE:
+        raise ValueError(f"ShapedTensor {name!r}: the size of dim {dim} must be at most {MAX_SIZE}, got {size}")
     return size
+
+
+def _check_dim(name: str, dim: object) -> int:
+    dim = _check_int(name, "a constrained dim", dim)
+    if not -MAX_DIMS <= dim < MAX_DIMS:
+        raise ValueError(
+            f"ShapedTensor {name!r}: constrained dim {dim} is out of range: modattrs constrains dims -{MAX_DIMS} to "
+            f"{MAX_DIMS - 1} (torch's operators handle tensors of at most {MAX_DIMS} dims)"
+        )
+    return dim
 
 
 def _check_constraints(name: str, constraints: object) -> Constraints:
     if not isinstance(constraints, Mapping):
         raise TypeError(f"ShapedTensor {name!r}: constraints must be a mapping {{dim: size}}, got {constraints!r}")
-    return {_check_int(name, "a constrained dim", d): _check_size(name, d, s) for d, s in constraints.items()}
+    return {_check_dim(name, d): _check_size(name, d, s) for d, s in constraints.items()}
 
 
 def _encode(constraints: Constraints, data: Tensor | None) -> Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import types
 from collections.abc import Callable, Sequence
@@ -12,7 +13,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from modattrs import _cache
-from modattrs._attribute import OwnedAttribute, bind, check_names, check_owner, set_persistent, take_over
+from modattrs._attribute import OwnedAttribute, set_persistent
 from modattrs._cache import Cache, Entry, keeps_graph, snapshot_of
 
 __all__ = ["VirtualTensor", "sync_references"]
@@ -91,8 +92,7 @@ class VirtualTensor(OwnedAttribute):
         cache: bool = False,
         depends_on: Sequence[str] = (),
     ) -> None:
-        owner = check_owner("VirtualTensor", owner)
-        name = check_names(self, owner, name)
+        owner, name = self._claim(owner, name)
         (ref_name,) = self._derived(name)
         method, function = _check_materializer(owner, name, materializer)
         if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -117,9 +117,7 @@ class VirtualTensor(OwnedAttribute):
         self._depends_on = depends_on
         self._cache = Cache() if cache else None
         self._ref_name = ref_name
-        take_over(owner, name)
-        owner.register_buffer(ref_name, ref, persistent=bool(persist))
-        bind(self, owner)
+        self._attach(owner, lambda: owner.register_buffer(ref_name, ref, persistent=bool(persist)))
 
     @classmethod
     def create(
@@ -165,17 +163,20 @@ class VirtualTensor(OwnedAttribute):
         if owner is None:
             raise self._owner_gone()
         ref = owner._buffers.get(self._ref_name)
-        if type(ref) is Tensor and not _cache.open_scopes:
+        # The hit path, kept short; the slow path checks everything before computing. The hook id test tells that
+        # no newer attribute of this name took over what this one registered.
+        if type(ref) is Tensor and not _cache.open_scopes and self._hook_ids[0] in owner._state_dict_hooks:
             cache = self._cache
             if cache is None:
                 return self._compute(owner, ref)
-            # The hit path, kept short; the slow path checks everything before computing. A plain reference that
-            # is the same object means the same device and, for an attribute following the module, dtype; a fixed
-            # dtype changes only through this attribute, which then clears the cache; dtype_from needs the check.
+            # cache.entry only ever holds a value read outside every fake mode. The same reference, object and
+            # TensorImpl, means the same device and, for an attribute following the module, dtype; a fixed dtype
+            # changes only through this attribute, which then clears the cache; dtype_from needs the check.
             entry = cache.entry
             if (
                 entry is not None
                 and entry.ref is ref
+                and entry.impl == ref._cdata
                 and entry.plain
                 and self._dtype_from is None
                 and not torch.compiler.is_compiling()
@@ -187,6 +188,8 @@ class VirtualTensor(OwnedAttribute):
 
     def _value_slowly(self, owner: nn.Module, ref: Tensor | None) -> Tensor:
         """``value`` for fake (or missing) references, cached attributes, and reads inside ``modattrs.cached()``."""
+        if not self._registered(owner):
+            raise self._replaced()
         if ref is None:
             raise self._reference_gone()
         if torch.compiler.is_compiling():
@@ -217,12 +220,12 @@ class VirtualTensor(OwnedAttribute):
             value = self._compute_in(enter, owner, ref)
         else:
             with self._cache.lock:  # concurrent readers compute once
-                entry = self._cache.entry
+                entry = self._cache.get(mode)
                 if entry is not None and entry.current(owner, ref, dtype, mode):
                     return entry.value
                 value = self._compute_in(enter, owner, ref)
                 # A value with an autograd graph is never kept: backward frees the graph.
-                self._cache.entry = None if keeps_graph(value) else Entry(ref, dtype, mode, snapshot, value)
+                self._cache.put(mode, None if keeps_graph(value) else Entry(ref, dtype, mode, snapshot, value))
         if scope is not None:
             scope[id(self)] = Entry(ref, dtype, mode, snapshot, value)
         return value
@@ -239,18 +242,14 @@ class VirtualTensor(OwnedAttribute):
             dtype = _tensor_at(owner, self._dtype_from).dtype
         device = ref.device
         result = self._function(owner, dtype, device)
-        # dtypes are singletons, so `is` is exact; comparing devices is dearer, so it comes second. The type check
-        # is only needed when something is off: a non-tensor fails the attribute reads or the comparisons.
-        try:
-            convert = result.dtype is not dtype or result.device != device
-        except AttributeError:
-            convert = True
-        if convert:
-            if not isinstance(result, Tensor):
-                raise TypeError(
-                    f"the materializer {self._materializer_name()} of VirtualTensor {self._name!r} returned "
-                    f"{type(result).__name__}, expected a Tensor"
-                )
+        # The exact type first: a plain tensor is the common case, and isinstance is dearer. dtypes are singletons,
+        # so `is` is exact; comparing devices is dearer, so it comes last.
+        if type(result) is not Tensor and not isinstance(result, Tensor):
+            raise TypeError(
+                f"the materializer {self._materializer_name()} of VirtualTensor {self._name!r} returned "
+                f"{type(result).__name__}, expected a Tensor"
+            )
+        if result.dtype is not dtype or result.device != device:
             result = result.to(device=device, dtype=dtype)
         return result
 
@@ -269,6 +268,7 @@ class VirtualTensor(OwnedAttribute):
 
     def invalidate(self) -> None:
         """Forget the cached value, in the lasting cache and in this thread's ``modattrs.cached()`` scope."""
+        self._live_owner()
         if self._cache is not None:
             self._cache.clear()
         scope = _cache.scope()
@@ -310,6 +310,10 @@ class VirtualTensor(OwnedAttribute):
 
     @follow_dtype.setter
     def follow_dtype(self, follow: bool) -> None:
+        with self._lock:
+            self._set_follow_dtype(bool(follow))
+
+    def _set_follow_dtype(self, follow: bool) -> None:
         owner = self._live_owner()
         ref = self._reference(owner)
         self._refuse_dtype_change()
@@ -332,15 +336,20 @@ class VirtualTensor(OwnedAttribute):
 
     @persist.setter
     def persist(self, persist: bool) -> None:
-        owner = self._live_owner()
-        self._reference(owner)  # raises if it is gone
-        set_persistent(owner, self._ref_name, persist)
+        with self._lock:
+            owner = self._live_owner()
+            self._reference(owner)  # raises if it is gone
+            set_persistent(owner, self._ref_name, persist)
 
     def to(self, *args: Any, **kwargs: Any) -> VirtualTensor:
         """Change the dtype and/or device; accepts the arguments of :meth:`torch.Tensor.to`. Returns ``self``.
 
         ``non_blocking``, ``copy`` and ``memory_format`` are accepted and have no effect: there is no data to move.
         """
+        with self._lock:
+            return self._to(*args, **kwargs)
+
+    def _to(self, *args: Any, **kwargs: Any) -> VirtualTensor:
         owner = self._live_owner()
         ref = self._reference(owner)
         kwargs.pop("copy", None)
@@ -385,14 +394,12 @@ class VirtualTensor(OwnedAttribute):
         return fields
 
     def _rebind(self, owner: nn.Module) -> None:
+        # The owner may still be empty (being unpickled): its class is all there is to check, as at construction.
         if self._method is not None:
-            function = getattr(type(owner), self._method, None)
-            if not callable(function):
-                raise AttributeError(
-                    f"cannot rebuild VirtualTensor {self._name!r}: {type(owner).__name__} has no method "
-                    f"{self._method!r} any more"
-                )
-            self._function = function
+            try:
+                self._function = _method_function(type(owner), self._name, self._method)
+            except (AttributeError, TypeError) as error:
+                raise type(error)(f"cannot rebuild VirtualTensor {self._name!r}: {error}") from None
 
     def _on_load(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
         # The reference holds no data, so its key is tolerated both ways: a checkpoint saved with persist=True
@@ -402,17 +409,29 @@ class VirtualTensor(OwnedAttribute):
         ref = owner._buffers.get(self._ref_name)
         if ref is None:
             return
+        if ref.numel():
+            error_msgs.append(f"{prefix}{self._name}: {self._reference_taken(owner, ref)}")
+            return
         if self.persist:
             state_dict.setdefault(key, ref)
         else:
             state_dict.pop(key, None)
 
+    def _on_state_dict(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+        ref = owner._buffers.get(self._ref_name)
+        if ref is not None and ref.numel():
+            raise self._reference_taken(owner, ref)
+
     def _on_loaded(self, owner: nn.Module) -> None:
+        with self._lock:
+            self._follow_loaded_data(owner)
+
+    def _follow_loaded_data(self, owner: nn.Module) -> None:
         # load_state_dict(assign=True) into a meta-built module replaces parameters and persistent buffers but
         # leaves a non-persistent reference on meta, and may assign a persisted reference of any dtype. Put the
         # reference where the loaded data is.
         ref = owner._buffers.get(self._ref_name)
-        if ref is None:
+        if ref is None or ref.numel():
             return
         follows = self._dtype is None
         if not ref.is_meta and not (follows and not _can_follow(ref.dtype)):
@@ -429,10 +448,21 @@ class VirtualTensor(OwnedAttribute):
 
     def _reference(self, owner: nn.Module | None = None) -> Tensor:
         """The reference buffer, of ``owner`` when the caller has looked it up already."""
-        ref = (self._live_owner() if owner is None else owner)._buffers.get(self._ref_name)
+        owner = self._live_owner() if owner is None else owner
+        ref = owner._buffers.get(self._ref_name)
         if ref is None:
             raise self._reference_gone()
+        if ref.numel():
+            raise self._reference_taken(owner, ref)
         return ref
+
+    def _reference_taken(self, owner: nn.Module, ref: Tensor) -> RuntimeError:
+        # Changing the attribute would replace that tensor by an empty one, and a load would consume its key.
+        return RuntimeError(
+            f"VirtualTensor {self._name!r} keeps its dtype and device in an empty buffer, {self._ref_name!r}, and "
+            f"{type(owner).__name__} now has a tensor of {ref.numel()} elements under that name (registered or "
+            "assigned after the attribute); register that tensor under another name"
+        )
 
     def _reference_gone(self) -> RuntimeError:
         return RuntimeError(
@@ -450,22 +480,18 @@ def _check_materializer(owner: nn.Module, name: str, materializer: object) -> tu
     """Return the method name (for a string) and a function called as ``fn(owner, dtype, device)``."""
     if isinstance(materializer, str):
         try:
-            method = getattr(owner, materializer)
+            found = getattr(owner, materializer)
         except AttributeError:
             raise AttributeError(
                 f"VirtualTensor {name!r}: {type(owner).__name__} has no attribute {materializer!r} to use as "
                 "its materializer"
             ) from None
-        if not isinstance(method, types.MethodType) or method.__self__ is not owner:
-            kind = "classmethod" if isinstance(method, types.MethodType) else type(method).__name__
+        if not isinstance(found, types.MethodType) or found.__self__ is not owner:
+            # What the name is, unbound: a staticmethod, a classmethod, an instance attribute, a parameter, ...
             raise TypeError(
-                f"VirtualTensor {name!r}: the materializer {materializer!r} must name a method of "
-                f"{type(owner).__name__}, got {kind}; pass a callable fn(owner, dtype, device) instead"
+                _not_a_method(type(owner), name, materializer, inspect.getattr_static(owner, materializer, found))
             )
-        # The plain function, called with the owner: no bound method, hence no reference to the owner, and
-        # nothing that torch.compile cannot trace (weakref.WeakMethod is such a thing).
-        function: Materializer = method.__func__
-        return materializer, function
+        return materializer, _method_function(type(owner), name, materializer)
     if not callable(materializer):
         raise TypeError(
             f"VirtualTensor {name!r}: materializer must be a method name or a callable fn(owner, dtype, device), "
@@ -477,6 +503,29 @@ def _check_materializer(owner: nn.Module, name: str, materializer: object) -> tu
             "itself: it would be called with the owner twice and would keep the owner alive"
         )
     return None, materializer
+
+
+def _method_function(cls: type[nn.Module], name: str, method: str) -> Materializer:
+    """The plain function that ``method`` names in ``cls``, called with the owner: no bound method, hence no
+    reference to the owner, and nothing that torch.compile cannot trace (weakref.WeakMethod is such a thing).
+
+    Construction and rebuilding a copy or a pickle both check through this: a staticmethod, a classmethod or any
+    other kind of attribute is refused.
+    """
+    found = inspect.getattr_static(cls, method, None)
+    if found is None:
+        raise AttributeError(f"{cls.__name__} has no method {method!r} to use as the materializer of {name!r}")
+    if not isinstance(found, types.FunctionType):
+        raise TypeError(_not_a_method(cls, name, method, found))
+    function: Materializer = found
+    return function
+
+
+def _not_a_method(cls: type[nn.Module], name: str, method: str, found: object) -> str:
+    return (
+        f"VirtualTensor {name!r}: the materializer {method!r} must name a method of {cls.__name__}, got "
+        f"{type(found).__name__}; pass a callable fn(owner, dtype, device) instead"
+    )
 
 
 def _check_depends_on(owner: nn.Module, name: str, depends_on: object) -> tuple[str, ...]:

@@ -7,10 +7,13 @@ import gc
 import pickle
 import threading
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import modattrs
 from modattrs import VirtualTensor
@@ -422,3 +425,74 @@ def test_create_takes_cache_and_depends_on() -> None:
     vt = VirtualTensor.create(m, "x", lambda o, d, v: torch.ones(o.size), cache=True, depends_on=("size",))
     assert vt.cached
     assert vt.depends_on == ("size",)
+
+
+# --- fake modes and in-place swaps ----------------------------------------------------------------------------------
+
+
+def _torch_fake_mode() -> object:
+    return FakeTensorMode(allow_non_fake_inputs=True)  # the materializer reads real parameters
+
+
+@pytest.mark.parametrize("enter", [fake_mode, _torch_fake_mode], ids=["modattrs", "torch"])
+def test_a_value_cached_inside_a_fake_mode_is_never_served_outside_it(enter: Callable[[], Any]) -> None:
+    m = Counted()
+    real = m.table.value
+    with enter():
+        inside = m.table.value
+        assert isinstance(inside, FakeTensor)
+        assert m.table.value is inside  # kept for this mode
+    assert m.table.value is real
+    with torch.no_grad():
+        m.weight.add_(1)  # a real change afterwards: a real recomputation, not the fake value
+    after = m.table.value
+    assert type(after) is torch.Tensor
+    assert torch.equal(after, torch.full((3,), 4.0))
+
+
+def test_a_value_cached_inside_a_fake_mode_before_any_real_read_is_not_served_outside() -> None:
+    m = Counted()
+    with fake_mode():
+        m.table.value
+    value = m.table.value
+    assert type(value) is torch.Tensor
+    assert torch.equal(value, torch.full((3,), 2.0))
+
+
+def test_a_value_cached_in_one_fake_mode_is_never_served_in_another() -> None:
+    m = Counted()
+    with fake_mode() as first:
+        one = m.table.value
+    with fake_mode() as second:
+        other = m.table.value
+        assert other is not one
+        assert other.fake_mode is second
+    assert one.fake_mode is first
+
+
+@pytest.mark.parametrize("meta_init", [False, True], ids=["real", "meta-init"])
+def test_a_reference_swapped_in_place_by_an_assign_load_recomputes_the_cached_value(meta_init: bool) -> None:
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        # No declared dependency: the loaded parameters must not be what tells the cache that something changed.
+        if meta_init:
+            with torch.device("meta"):
+                m = Counted(depends_on=())
+        else:
+            m = Counted(depends_on=())
+        m.table.persist = True
+        assert m.table.value.dtype == torch.float32
+        state = {
+            "_table_ref": torch.empty(0, dtype=torch.float64),
+            "weight": torch.ones(3),
+            "offsets": torch.zeros(3),
+        }
+        m.load_state_dict(state, assign=True)
+        assert m.table.dtype == torch.float64
+        value = m.table.value
+        assert value.dtype == torch.float64
+        assert value.device == torch.device("cpu")
+        assert torch.equal(value, torch.full((3,), 2.0, dtype=torch.float64))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)

@@ -1,7 +1,12 @@
 from __future__ import annotations
 
 import gc
+import io
+import sys
+import threading
+import time
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -756,3 +761,190 @@ def test_saved_constraints_round_trip_in_a_tensor_whose_shape_depends_only_on_th
         assert fresh.x.constraints == constraints
     if all(-d <= ndim and d < ndim for d in {**first, **second}):
         assert saved[0].shape == saved[1].shape == (2, ndim)
+
+
+# --- composition with loading, threads and detached attributes ------------------------------------------------------
+
+
+def test_a_meta_checkpoint_with_persisted_constraints_loads_into_a_meta_module_with_assign() -> None:
+    with torch.device("meta"):
+        saved = owner_with(torch.zeros(2, 3), {1: 3}, persist_constraints=True)
+    buffer = io.BytesIO()
+    torch.save(saved.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, map_location="meta")
+    with torch.device("meta"):
+        m = owner_with(torch.zeros(5, 3), {1: 3}, persist_constraints=True)
+    m.load_state_dict(state, assign=True)
+    assert m.x.value is not None
+    assert m.x.value.is_meta
+    assert m.x.value.shape == (2, 3)
+    assert m.x.constraints == {1: 3}  # a meta tensor has no values: the module's own constraints stay
+
+
+def test_a_meta_checkpoint_still_checks_the_incoming_data_against_the_current_constraints() -> None:
+    with torch.device("meta"):
+        m = owner_with(torch.zeros(5, 3), {1: 3}, persist_constraints=True)
+        state = {"_x_data": torch.zeros(2, 4), "_x_constraints": torch.empty(2, 2, dtype=torch.int64)}
+    with pytest.raises(RuntimeError, match=r"shape \(2, 4\) violates the constraints \{dim 1: 3\}"):
+        m.load_state_dict(state, assign=True)
+    assert m.x.value is not None
+    assert m.x.value.shape == (5, 3)
+
+
+@pytest.mark.parametrize("constraints", [{2**40: 1}, {-(2**40): 1}, {64: 1}, {-65: 1}, {0: 2**63}])
+def test_constraints_that_no_tensor_can_have_are_refused_at_construction(constraints: dict[int, int]) -> None:
+    m = nn.Module()
+    with pytest.raises(ValueError, match=r"out of range|must be at most"):
+        ShapedTensor(m, "x", None, constraints)
+    assert "x" not in m.__dict__
+    assert not m._buffers
+
+
+def test_constraints_that_no_tensor_can_have_are_refused_from_a_checkpoint_and_change_nothing() -> None:
+    m = owner_with(torch.zeros(2, 3), {1: 3}, persist_constraints=True)
+    before = snapshot(m)
+    with pytest.raises(RuntimeError, match=r"invalid constraints for x.*out of range"):
+        m.load_state_dict({"_x_data": torch.ones(2, 3), "_x_constraints": {2**40: 1}})
+    assert same(snapshot(m), before)
+    assert m.state_dict()["_x_constraints"].shape == (2, 2)
+
+
+def test_reconstraining_a_dim_out_of_range_is_refused() -> None:
+    m = owner_with(torch.zeros(2, 3), {1: 3})
+    with pytest.raises(ValueError, match="out of range"):
+        m.x.reconstrain(2**40, 1)
+    assert m.x.constraints == {1: 3}
+
+
+def test_a_buffer_registered_later_under_the_constraints_key_is_never_lost() -> None:
+    m = owner_with(torch.zeros(2, 3), {1: 3}, persist_constraints=True)
+    mine = torch.arange(4)
+    m.register_buffer("_x_constraints", mine)
+    with pytest.raises(RuntimeError, match=r"'_x_constraints'.*register that tensor under another name"):
+        m.state_dict()
+    with pytest.raises(RuntimeError, match=r"'_x_constraints'.*register that tensor under another name"):
+        m.load_state_dict({"_x_data": torch.zeros(2, 3), "_x_constraints": torch.arange(4) + 1})
+    assert m._buffers["_x_constraints"] is mine
+    m.x.persist_constraints = False  # then the key is the buffer's, saved and loaded as any other
+    assert torch.equal(m.state_dict()["_x_constraints"], mine)
+    m.load_state_dict({"_x_data": torch.ones(2, 3), "_x_constraints": torch.arange(4) + 1})
+    assert torch.equal(m._x_constraints, torch.arange(4) + 1)
+    with pytest.raises(ValueError, match="'_x_constraints', which Module already has \\(a buffer\\)"):
+        ShapedTensor(m, "x", torch.zeros(1, 3), {1: 3})  # a new attribute needs the name free
+    del m.x
+    gc.collect()  # the attribute's finalizer removes its data, and leaves the buffer
+    assert "_x_data" not in m._buffers
+    assert torch.equal(m._x_constraints, torch.arange(4) + 1)
+
+
+def test_a_failed_assignment_to_parameter_data_keeps_the_gradient() -> None:
+    m = owner_with(nn.Parameter(torch.ones(2, 3)), {1: 3})
+    parameter = m.x.value
+    assert isinstance(parameter, nn.Parameter)
+    parameter.sum().backward()
+    grad = parameter.grad
+    for bad in (torch.zeros(4, 3, device="meta"), torch.zeros(4, 3).to_sparse()):
+        with pytest.raises(RuntimeError):
+            m.x.value = bad
+        assert parameter.grad is grad
+        assert m.x.value is parameter
+        assert torch.equal(parameter.detach(), torch.ones(2, 3))
+
+
+def test_a_non_strict_load_without_the_attributes_key_ignores_its_current_data() -> None:
+    m = nn.Module()
+    m.other = nn.Linear(2, 2)
+    ShapedTensor(m, "x", torch.zeros(2, 3), {1: 3})
+    m.x.value = torch.zeros(2, 5)  # not live: not checked
+    result = m.load_state_dict({"other.weight": torch.ones(2, 2), "other.bias": torch.ones(2)}, strict=False)
+    assert result.missing_keys == ["_x_data"]
+    assert torch.equal(m.other.weight.detach(), torch.ones(2, 2))
+
+
+def test_a_load_that_brings_constraints_the_current_data_violates_is_refused() -> None:
+    m = owner_with(torch.zeros(2, 3), {1: 3}, persist_constraints=True)
+    with pytest.raises(RuntimeError, match=r"shape \(2, 3\) violates the constraints \{dim 1: 4\}"):
+        m.load_state_dict({"_x_constraints": {1: 4}}, strict=False)
+    assert m.x.constraints == {1: 3}
+
+
+def test_threads_reconstraining_one_attribute_each_see_a_consistent_attribute() -> None:
+    m = owner_with(torch.zeros(4, 3), {1: 3}, live=True)
+    start = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        start.wait()
+        try:
+            for size in range(1, 100):
+                m.x.reconstrain(i % 2, (size * (i + 1)) % 7 + 1)
+        except BaseException as error:
+            errors.append(error)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch inside reconstrain, as they may under load
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert m.x.valid
+    assert m.x.value.shape == (m.x.constraints[0], m.x.constraints[1])  # type: ignore[union-attr]
+
+
+def test_a_reconstrain_waits_for_another_threads_reconstrain_and_neither_is_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    m = owner_with(torch.zeros(4, 3), {1: 3})
+    inside, resize = threading.Event(), ShapedTensor.resize
+
+    def slow_resize(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+        if threading.current_thread().name == "first":
+            inside.set()
+            time.sleep(0.2)  # the second thread starts its reconstrain now
+        return resize(tensor, dim, size)
+
+    monkeypatch.setattr(ShapedTensor, "resize", staticmethod(slow_resize))
+    first = threading.Thread(target=m.x.reconstrain, args=(0, 2), name="first")
+    first.start()
+    inside.wait()
+    second = threading.Thread(target=m.x.reconstrain, args=(1, 5))
+    second.start()
+    first.join()
+    second.join()
+    assert m.x.constraints == {0: 2, 1: 5}
+    assert m.x.value.shape == (2, 5)  # type: ignore[union-attr]
+
+
+def test_removing_a_constraint_checks_the_remaining_ones_against_the_data() -> None:
+    m = owner_with(torch.zeros(2, 3), {0: 2, -1: 3})
+    m.x.value = torch.zeros(2, 4)  # not live: not checked, and now violating dim -1: 3
+    before = snapshot(m)
+    with pytest.raises(ValueError, match=r"shape \(2, 4\) violates the constraints \{dim -1: 3\}"):
+        m.x.reconstrain(0, None)
+    assert same(snapshot(m), before)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda a: setattr(a, "live", True),
+        lambda a: setattr(a, "persist_constraints", True),
+        lambda a: setattr(a, "strict", False),
+        lambda a: setattr(a, "persist_data", False),
+        lambda a: a.reconstrain(0, 3),
+        lambda a: setattr(a, "value", torch.zeros(2, 3)),
+    ],
+    ids=["live", "persist_constraints", "strict", "persist_data", "reconstrain", "value"],
+)
+def test_every_setter_and_method_of_a_detached_shaped_tensor_raises(change: Callable[[ShapedTensor], object]) -> None:
+    m = owner_with(torch.zeros(2, 3), {1: 3})
+    held = m.x
+    del m.x
+    with pytest.raises(ReferenceError, match="'x' is detached"):
+        change(held)

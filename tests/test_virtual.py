@@ -1,13 +1,16 @@
 from __future__ import annotations
 
 import gc
+import io
+import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 from torch import Tensor, nn
 
+import modattrs
 from modattrs import VirtualTensor
 
 
@@ -481,7 +484,7 @@ def test_moving_an_attribute_with_dtype_from_keeps_its_reference_dtype_whatever_
         ({"name": "taken"}, ValueError, "'_taken_ref'.*a buffer"),
         ({"materializer": "missing"}, AttributeError, "no attribute 'missing'"),
         ({"materializer": "plain"}, TypeError, "must name a method.*got int"),
-        ({"materializer": "static"}, TypeError, "must name a method.*got function"),
+        ({"materializer": "static"}, TypeError, "must name a method.*got staticmethod"),
         ({"materializer": 42}, TypeError, "method name or a callable"),
         ({"dtype": "float32"}, TypeError, "dtype must be a torch.dtype"),
         ({"device": "nowhere"}, ValueError, "invalid device 'nowhere'"),
@@ -629,3 +632,125 @@ def test_dtype_from_survives_a_deep_copy() -> None:
     clone = copy.deepcopy(Scaled())
     clone.proj.half()
     assert clone.scale.value.dtype == torch.float16
+
+
+# --- names, aliases and detached attributes -------------------------------------------------------------------------
+
+
+def test_a_deleted_attribute_raises_once_a_newer_attribute_took_its_name() -> None:
+    m = Positions()
+    held = m.pos
+    del m.pos
+    assert torch.equal(held.value, torch.arange(4) * 2.0)  # until then it reads its own reference
+    VirtualTensor(m, "pos", doubled, dtype=torch.float64, device="meta")
+    with pytest.raises(ReferenceError, match="'pos' is detached"):
+        held.value
+    assert m.pos.value.dtype == torch.float64
+
+
+def test_a_deleted_cached_attribute_raises_once_a_newer_attribute_took_its_name() -> None:
+    m = Positions(cache=True)
+    held = m.pos
+    held.value
+    del m.pos
+    VirtualTensor(m, "pos", doubled)
+    with pytest.raises(ReferenceError, match="'pos' is detached"):
+        held.value
+
+
+class Rotary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        VirtualTensor(self, "cos", doubled)
+
+
+def test_an_alias_of_another_modules_attribute_is_an_occupied_name_and_the_original_keeps_working() -> None:
+    rotary, layer = Rotary(), nn.Module()
+    layer.cos = rotary.cos
+    before = (dict(layer.__dict__), dict(layer._buffers), dict(layer._state_dict_hooks))
+    with pytest.raises(ValueError, match=r"Module\.cos is an alias of VirtualTensor.*owner=Rotary.*del module\.cos"):
+        VirtualTensor(layer, "cos", doubled)
+    assert (dict(layer.__dict__), dict(layer._buffers), dict(layer._state_dict_hooks)) == before
+    assert torch.equal(rotary.cos.value, torch.full((2,), 2.0))
+    buffer = io.BytesIO()
+    torch.save(rotary, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer, weights_only=False).cos.value, torch.full((2,), 2.0))
+
+
+def test_an_alias_on_the_same_module_is_an_occupied_name() -> None:
+    m = Positions()
+    m.alias = m.pos
+    with pytest.raises(ValueError, match=r"Positions.alias is an alias of VirtualTensor\(name='pos'"):
+        VirtualTensor(m, "alias", doubled)
+    assert m.alias is m.pos
+    assert torch.equal(m.pos.value, torch.arange(4) * 2.0)
+    del m.alias
+    VirtualTensor(m, "alias", doubled)  # a free name once the alias is gone
+    assert torch.equal(m.pos.value, torch.arange(4) * 2.0)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda a: a.invalidate(),
+        lambda a: setattr(a, "persist", True),
+        lambda a: setattr(a, "follow_dtype", False),
+        lambda a: a.to(torch.float64),
+    ],
+    ids=["invalidate", "persist", "follow_dtype", "to"],
+)
+def test_every_method_and_setter_of_a_detached_attribute_raises(change: Callable[[VirtualTensor], object]) -> None:
+    m = Positions(cache=True)
+    held = m.pos
+    del m.pos
+    with pytest.raises(ReferenceError, match="'pos' is detached"):
+        change(held)
+
+
+def storage_of(module: nn.Module, dtype: torch.dtype, device: torch.device) -> object:
+    return torch.ones(2, dtype=dtype, device=device).untyped_storage()
+
+
+def typed_storage_of(module: nn.Module, dtype: torch.dtype, device: torch.device) -> object:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TypedStorage is deprecated
+        return torch.ones(2, dtype=dtype, device=device).storage()
+
+
+@pytest.mark.parametrize("materializer", [storage_of, typed_storage_of], ids=["untyped", "typed"])
+def test_a_materializer_result_that_is_not_a_tensor_raises_type_error(materializer: Callable[..., object]) -> None:
+    m = nn.Module()
+    VirtualTensor(m, "v", materializer)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"returned .*Storage, expected a Tensor"):
+        m.v.value
+
+
+class Rebuilt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        VirtualTensor(self, "v", "make")
+
+    def make(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.ones(2, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize(
+    "replacement",
+    [staticmethod(lambda dtype, device: torch.ones(2)), classmethod(lambda cls, dtype, device: torch.ones(2))],
+    ids=["staticmethod", "classmethod"],
+)
+def test_loading_refuses_a_materializer_name_that_construction_refuses(
+    replacement: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    buffer = io.BytesIO()
+    torch.save(Rebuilt(), buffer)
+    monkeypatch.setattr(Rebuilt, "make", replacement)
+    with pytest.raises(TypeError, match=f"must name a method of Rebuilt, got {type(replacement).__name__}"):
+        Rebuilt()
+    buffer.seek(0)
+    with (
+        torch.serialization.safe_globals([*modattrs.safe_globals(), Rebuilt]),
+        pytest.raises(TypeError, match=f"cannot rebuild VirtualTensor 'v'.*got {type(replacement).__name__}"),
+    ):
+        torch.load(buffer)
