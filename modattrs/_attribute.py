@@ -320,6 +320,16 @@ def register_hooks(owner: nn.Module, name: str, derived: tuple[str, ...]) -> tup
     return save.id, load.id, loaded.id
 
 
+def own_attributes(module: nn.Module) -> list[OwnedAttribute]:
+    """The modattrs attributes bound to ``module`` under their own names: aliases of attributes of other names or
+    other modules are left out, as they are their owners' business."""
+    return [
+        value
+        for name, value in list(module.__dict__.items())
+        if isinstance(value, OwnedAttribute) and _is_own(value, module, name)
+    ]
+
+
 def current_attribute(module: nn.Module, name: str) -> OwnedAttribute | None:
     attribute = module.__dict__.get(name)
     return attribute if isinstance(attribute, OwnedAttribute) else None

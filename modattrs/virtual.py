@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from modattrs import _cache
-from modattrs._attribute import OwnedAttribute, set_persistent
+from modattrs._attribute import OwnedAttribute, own_attributes, set_persistent
 from modattrs._cache import Cache, Entry, keeps_graph, snapshot_of
 
 __all__ = ["VirtualTensor", "sync_references"]
@@ -605,7 +605,7 @@ def sync_references(
     pending = [
         attribute
         for submodule in module.modules()
-        for attribute in list(submodule.__dict__.values())
+        for attribute in own_attributes(submodule)
         if isinstance(attribute, VirtualTensor) and attribute._reference().is_meta
     ]
     if not pending:

@@ -754,3 +754,14 @@ def test_loading_refuses_a_materializer_name_that_construction_refuses(
         pytest.raises(TypeError, match=f"cannot rebuild VirtualTensor 'v'.*got {type(replacement).__name__}"),
     ):
         torch.load(buffer)
+
+
+def test_sync_references_moves_the_modules_own_attributes_and_leaves_aliases_to_their_owners() -> None:
+    with torch.device("meta"):
+        outside = Rotary()
+        model = nn.Sequential(nn.Linear(2, 2), Rotary())
+    model[1].borrowed = outside.cos  # an alias of a module that is not part of the model
+    model.to_empty(device="cpu")
+    modattrs.sync_references(model)
+    assert model[1].cos.device == torch.device("cpu")
+    assert outside.cos.device == torch.device("meta")
