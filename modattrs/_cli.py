@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from modattrs import _cuda_guard
+from modattrs import _cuda_guard, _torch_changes
 from modattrs.shaped import ShapedTensor
 from modattrs.virtual import VirtualTensor
 
@@ -121,7 +121,7 @@ def inspect(target: str, kwargs: Sequence[str], device_name: str, dtype_name: st
     spoof_cuda = device.type == "cuda" and not torch.cuda.is_available()
     if spoof_cuda:
         try:
-            _cuda_guard.require()
+            _torch_changes.install_fake_cuda()
         except RuntimeError as error:
             raise UsageError(f"--device {device_name}: {error} Or run with --device cpu or --device meta.") from None
     try:

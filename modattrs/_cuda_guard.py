@@ -5,8 +5,8 @@ device guard for the device of their tensors, fake ones included. A CUDA build w
 pretends (torch's ``FakeGuardImpl``); a CPU-only build has none, and those calls fail, or abort the process when
 autograd is involved. The cure is to register torch's own ``FakeGuardImpl<CUDA>``, which takes a few lines of
 C++: they are compiled at the first use of fake CUDA and cached by torch's extension loader under a name that
-includes the torch version. With the guard, ``torch.autograd.backward`` and ``grad`` are replaced by versions that
-simulate backward passes over spoofed-CUDA graphs (see ``_fake_backward``).
+includes the torch version. ``_torch_changes`` registers it, and then replaces ``torch.autograd.backward`` and
+``grad`` by versions that simulate backward passes over spoofed-CUDA graphs (see ``_fake_backward``).
 """
 
 from __future__ import annotations
@@ -76,9 +76,6 @@ def require() -> None:
         if _failure is None:
             try:
                 _build_and_register()
-                from modattrs import _fake_backward
-
-                _fake_backward.install()
                 _ready = True
                 return
             except Exception as error:  # the compiler's and the loader's errors vary; all mean "not available"
@@ -86,7 +83,7 @@ def require() -> None:
         raise RuntimeError(
             "fake CUDA needs a device guard that this CPU-only build of torch lacks; modattrs compiles one at first "
             f"use, and that failed ({_failure}). Install a C++ compiler (g++) and ninja (pip install ninja) and "
-            "restart Python to use fake_cuda=True; without them, "
+            "restart Python to use fake CUDA tensors; without them, "
             "build the model on the meta device (with torch.device('meta')) to inspect it, or make a fake CPU "
             "twin with modattrs.fake.fake_copy(model)."
         )

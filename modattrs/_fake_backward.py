@@ -6,13 +6,13 @@ only metadata, and that is each leaf's own: so for such graphs ``torch.autograd.
 ``torch.autograd.grad`` are replaced by a walk of the graph that gives every leaf reached a fake gradient like
 itself. Hooks and custom ``backward`` functions do not run. Everything else goes to torch's own functions.
 
-The replacement is installed when spoofed CUDA is set up (``_cuda_guard.require``), in processes that ask for it.
+``_torch_changes`` installs the replacements when spoofed CUDA is set up, in processes that ask for it.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,62 +21,65 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 __all__: list[str] = []
 
-_original_backward = torch.autograd.backward
-_original_grad = torch.autograd.grad
-_lock = threading.Lock()
-_installed = False
+
+def simulating_backward(original: Callable[..., None]) -> Callable[..., None]:
+    """``torch.autograd.backward`` (``original``) for everything but graphs involving spoofed-CUDA fakes."""
+
+    @functools.wraps(original)
+    def backward(
+        tensors: Tensor | Sequence[Tensor],
+        grad_tensors: Tensor | Sequence[Tensor | None] | None = None,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        grad_variables: Any = None,
+        inputs: Tensor | Sequence[Tensor] | None = None,
+    ) -> None:
+        outputs = _as_list(tensors)
+        if not _spoofed(outputs):
+            original(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
+            return
+        _refuse_double_backward(create_graph)
+        leaves = _reachable_leaves(outputs, _as_list(grad_tensors) or [None] * len(outputs))
+        targets = leaves if inputs is None else _as_list(inputs)
+        for tensor in targets:
+            if tensor.grad is None and tensor.requires_grad:
+                with torch.no_grad():
+                    tensor.grad = torch.zeros_like(tensor)
+
+    return backward
 
 
-def install() -> None:
-    global _installed
-    with _lock:
-        if not _installed:
-            # Tensor.backward calls torch.autograd.backward, looked up at call time: one replacement covers both.
-            torch.autograd.backward = _backward  # type: ignore[assignment]
-            torch.autograd.grad = _grad  # type: ignore[assignment]
-            _installed = True
+def simulating_grad(original: Callable[..., tuple[Tensor | None, ...]]) -> Callable[..., tuple[Tensor | None, ...]]:
+    """``torch.autograd.grad`` (``original``) for everything but graphs involving spoofed-CUDA fakes."""
+
+    @functools.wraps(original)
+    def grad(
+        outputs: Tensor | Sequence[Tensor],
+        inputs: Tensor | Sequence[Tensor],
+        grad_outputs: Tensor | Sequence[Tensor | None] | None = None,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        only_inputs: bool = True,
+        allow_unused: bool | None = None,
+        is_grads_batched: bool = False,
+        materialize_grads: bool = False,
+    ) -> tuple[Tensor | None, ...]:
+        output_list = _as_list(outputs)
+        if not _spoofed(output_list):
+            return original(
+                outputs, inputs, grad_outputs, retain_graph, create_graph, only_inputs, allow_unused,
+                is_grads_batched, materialize_grads,
+            )  # fmt: skip
+        _refuse_double_backward(create_graph)
+        return _simulated_grad(output_list, inputs, grad_outputs, allow_unused, materialize_grads)
+
+    return grad
 
 
-def _backward(
-    tensors: Tensor | Sequence[Tensor],
-    grad_tensors: Tensor | Sequence[Tensor | None] | None = None,
-    retain_graph: bool | None = None,
-    create_graph: bool = False,
-    grad_variables: Any = None,
-    inputs: Tensor | Sequence[Tensor] | None = None,
-) -> None:
-    outputs = _as_list(tensors)
-    if not _spoofed(outputs):
-        _original_backward(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
-        return
-    _refuse_double_backward(create_graph)
-    leaves = _reachable_leaves(outputs, _as_list(grad_tensors) or [None] * len(outputs))
-    targets = leaves if inputs is None else _as_list(inputs)
-    for tensor in targets:
-        if tensor.grad is None and tensor.requires_grad:
-            with torch.no_grad():
-                tensor.grad = torch.zeros_like(tensor)
-
-
-def _grad(
-    outputs: Tensor | Sequence[Tensor],
-    inputs: Tensor | Sequence[Tensor],
-    grad_outputs: Tensor | Sequence[Tensor | None] | None = None,
-    retain_graph: bool | None = None,
-    create_graph: bool = False,
-    only_inputs: bool = True,
-    allow_unused: bool | None = None,
-    is_grads_batched: bool = False,
-    materialize_grads: bool = False,
+def _simulated_grad(
+    outputs: list[Tensor], inputs: Any, grad_outputs: Any, allow_unused: bool | None, materialize_grads: bool
 ) -> tuple[Tensor | None, ...]:
-    output_list = _as_list(outputs)
-    if not _spoofed(output_list):
-        return _original_grad(
-            outputs, inputs, grad_outputs, retain_graph, create_graph, only_inputs, allow_unused,
-            is_grads_batched, materialize_grads,
-        )  # fmt: skip
-    _refuse_double_backward(create_graph)
-    reached = {id(leaf) for leaf in _reachable_leaves(output_list, _as_list(grad_outputs) or [None] * len(output_list))}
+    reached = {id(leaf) for leaf in _reachable_leaves(outputs, _as_list(grad_outputs) or [None] * len(outputs))}
     grads: list[Tensor | None] = []
     for tensor in _as_list(inputs):
         used = id(tensor) in reached or tensor.grad_fn is not None

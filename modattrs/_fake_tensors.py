@@ -13,14 +13,12 @@
 * On a build of torch without CUDA, CUDA devices are refused until the fake CUDA device guard is registered (see
   ``_cuda_guard``): without it, some operations fail and autograd aborts the process.
 
-It also holds the process-wide changes that fake mode makes at its first use (see :func:`install_process_hooks`).
+The process-wide changes that fake mode needs are made by ``_torch_changes``.
 """
 
 from __future__ import annotations
 
-import threading
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -73,6 +71,13 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
     def __deepcopy__(self, memo: dict[int, Any]) -> ModattrsFakeTensorMode:
         return self
 
+    def opaque_call(
+        self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], target: FakeTensor
+    ) -> FakeTensor:
+        """``func(*args, **kwargs)``, an initializer that writes ``target`` in place and reads what it draws
+        (``trunc_normal_``), called on a fake tensor of this mode: there are no values to write, so nothing runs."""
+        return target
+
     def __torch_dispatch__(
         self,
         func: Any,
@@ -123,36 +128,3 @@ def _plain_fake(tensor: object, mode: FakeTensorMode) -> bool:
     # The short paths are for ordinary fakes of this mode: fakes holding a constant (small tensors made from Python
     # values) take torch's path, which keeps the constant right.
     return type(tensor) is FakeTensor and tensor.fake_mode is mode and tensor.constant is None
-
-
-# --- process-wide changes, made once, at the first use of fake mode ---------------------------------------------------
-
-_installed = False
-_install_lock = threading.Lock()
-_original_trunc_normal = torch.nn.init._no_grad_trunc_normal_
-
-
-def install_process_hooks() -> None:
-    """Make the two process-wide changes that fake mode needs, once.
-
-    * ``torch.nn.init.trunc_normal_`` draws by rejection sampling, which reads values (``.item()``,
-      ``mask.any()``), and has no ``__torch_function__`` hook: its helper is replaced by one that returns fake
-      tensors untouched (as torch's own returns meta tensors) and runs the original on everything else.
-    * torch warns that reading the data pointer of a fake tensor is a bug, and ``copy.deepcopy`` of any tensor
-      does so: that one warning is silenced.
-    """
-    global _installed
-    if _installed:  # every fake_mode() entry comes here: no lock once done
-        return
-    with _install_lock:
-        if _installed:
-            return
-        torch.nn.init._no_grad_trunc_normal_ = _trunc_normal_skipping_fakes
-        warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor", UserWarning)
-        _installed = True
-
-
-def _trunc_normal_skipping_fakes(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    if isinstance(tensor, FakeTensor):
-        return tensor
-    return _original_trunc_normal(tensor, *args, **kwargs)

@@ -4,9 +4,10 @@ Fake tensors draw nothing, so while modules are recorded the real generator stay
 further on: after the draws recorded so far. That *position* is a point of a record, ``(record, n)``, meaning "the
 state after the first n operations of that record drew"; each recorded draw moves it. It holds for as long as the
 real generator is untouched: ``torch.manual_seed`` or ``torch.set_rng_state`` with any other state puts the
-position back on the real state. The functions that do it are wrapped, once, to see this (a reseed to the state the
-generator had would otherwise look as if nothing happened), and ``torch.get_rng_state`` tags the state it returns
-with the position, so that putting it back (``fork_rng`` does) returns to that point rather than to the stale state.
+position back on the real state. The functions that do it are wrapped (by ``_torch_changes``, with the wrappers
+below) to see this (a reseed to the state the generator had would otherwise look as if nothing happened), and
+``torch.get_rng_state`` tags the state it returns with the position, so that putting it back (``fork_rng`` does)
+returns to that point rather than to the stale state.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ _point: Point | None = None  # where eager code would be, valid while the real g
 _point_state: torch.Tensor | None = None
 _point_epoch = 0
 _tags: WeakIdKeyDictionary = WeakIdKeyDictionary()  # state tensor handed out by get_rng_state -> the point then
-_watching = False
 _suspended = 0  # while replays set the generator to states of their own, the position is not theirs to change
 
 
@@ -86,25 +86,8 @@ def same(state: torch.Tensor, other: torch.Tensor | None) -> bool:
         return torch.equal(state, other)
 
 
-def watch() -> None:
-    """Wrap ``torch.manual_seed``, ``get_rng_state`` and ``set_rng_state`` (under both their names), once."""
-    global _watching
-    with lock:
-        if _watching:
-            return
-        for name, wrap in (("manual_seed", _seeding), ("set_rng_state", _restoring), ("get_rng_state", _saving)):
-            wrapped = {}  # torch.manual_seed is torch.random.manual_seed: one wrapper, so it stays so
-            for owner in (torch, torch.random):
-                original = getattr(owner, name)
-                if id(original) not in wrapped:
-                    wrapped[id(original)] = wrap(original)
-                setattr(owner, name, wrapped[id(original)])
-        _watching = True
-
-
-def _seeding(func: Callable[..., Any]) -> Callable[..., Any]:
-    if getattr(func, "__modattrs_watch__", False):
-        return func
+def seeding(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.manual_seed`` (``func``), noting that the generator left the points of records."""
 
     @functools.wraps(func)
     def seeding(*args: Any, **kwargs: Any) -> Any:
@@ -115,13 +98,12 @@ def _seeding(func: Callable[..., Any]) -> Callable[..., Any]:
                 _point = None
             return func(*args, **kwargs)
 
-    seeding.__modattrs_watch__ = True  # type: ignore[attr-defined]
     return seeding
 
 
-def _restoring(func: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
-    if getattr(func, "__modattrs_watch__", False):
-        return func
+def restoring(func: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """``torch.set_rng_state`` (``func``), going back to the point a state from ``get_rng_state`` stands for, or
+    noting that the generator left the points of records."""
 
     @functools.wraps(func)
     def restoring(new_state: torch.Tensor) -> None:
@@ -144,13 +126,11 @@ def _restoring(func: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor],
             else:
                 move_to(point)
 
-    restoring.__modattrs_watch__ = True  # type: ignore[attr-defined]
     return restoring
 
 
-def _saving(func: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    if getattr(func, "__modattrs_watch__", False):
-        return func
+def saving(func: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``torch.get_rng_state`` (``func``), tagging the state it returns with the point the generator is at."""
 
     @functools.wraps(func)
     def saving() -> torch.Tensor:
@@ -163,5 +143,4 @@ def _saving(func: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
                 _tags[state] = at
             return state
 
-    saving.__modattrs_watch__ = True  # type: ignore[attr-defined]
     return saving

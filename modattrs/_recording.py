@@ -206,7 +206,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             self._finish(pending, result)
         return result
 
-    def record_opaque(
+    def opaque_call(
         self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], target: FakeTensor
     ) -> FakeTensor:
         """Record ``func(*args, **kwargs)`` as one call that writes ``target`` in place, without running it."""

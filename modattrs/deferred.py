@@ -24,8 +24,8 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from modattrs import _generator
-from modattrs._fake_tensors import ModattrsFakeTensorMode, install_process_hooks
+from modattrs import _torch_changes
+from modattrs._fake_tensors import ModattrsFakeTensorMode
 from modattrs._recording import DeferredInitError, RecordingFakeTensorMode, new_record
 from modattrs._replay import replay
 from modattrs.virtual import VirtualTensor
@@ -61,8 +61,7 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
             f"deferred_init({_name_of(module_fn)}) was called while another deferred_init records; build the inner "
             "module directly: everything inside the outer call is deferred already"
         )
-    _register_builtin_opaque_inits()  # installs fake mode's process hooks first
-    _generator.watch()
+    _torch_changes.install()
     record = new_record()
     mode = RecordingFakeTensorMode(record)
     _this_thread.recording = True
@@ -188,12 +187,11 @@ def register_opaque_init(owner: object, name: str, *, mutates: int = 0) -> None:
     """Record calls to the function ``owner.name`` as one call, run for real at materialization.
 
     For initializers whose work depends on the values they draw (rejection sampling, like
-    ``torch.nn.init.trunc_normal_``, which ships registered): such code cannot be recorded operation by
-    operation, because fake tensors have no values. The function is replaced in ``owner`` (a module or a class)
-    by a wrapper that, given a deferred tensor as argument ``mutates`` (by position or by name), records the call
-    and returns that tensor;
-    given anything else, it calls the function. The function must write into that argument in place, whatever
-    it holds before, and not change its shape. Registering twice is harmless.
+    ``torch.nn.init.trunc_normal_``, which modattrs records so already): such code cannot be recorded operation by
+    operation, because fake tensors have no values. The function is replaced in ``owner`` (a module or a class),
+    now, by a wrapper that, given a deferred tensor as argument ``mutates`` (by position or by name), records the
+    call and returns that tensor; given anything else, it calls the function. The function must write into that
+    argument in place, whatever it holds before, and not change its shape. Registering twice is harmless.
 
     Raises:
         TypeError: ``owner.name`` is not callable.
@@ -210,7 +208,6 @@ def register_opaque_init(owner: object, name: str, *, mutates: int = 0) -> None:
             f"register_opaque_init: mutates is the index of the positional argument {_name_of(owner)}.{name} writes "
             f"into; it takes {[p.name for p in parameters if p.kind in _POSITIONAL]}, got {mutates}"
         )
-    install_process_hooks()  # fake mode's own hooks go first, so this wrapper is the outer one
     setattr(owner, name, _opaque_wrapper(func, mutates, parameters[mutates].name))
 
 
@@ -225,16 +222,10 @@ def _opaque_wrapper(func: Callable[..., Any], mutates: int, keyword: str) -> Cal
         if mode is None:
             return func(*args, **kwargs)
         assert isinstance(target, FakeTensor)
-        return mode.record_opaque(func, args, kwargs, target)
+        return mode.opaque_call(func, args, kwargs, target)
 
     recorded_when_deferred.__modattrs_opaque__ = True  # type: ignore[attr-defined]
     return recorded_when_deferred
-
-
-@functools.cache
-def _register_builtin_opaque_inits() -> None:
-    # trunc_normal_ is a rejection sampler; every public caller (and transformers' copy) goes through this helper.
-    register_opaque_init(torch.nn.init, "_no_grad_trunc_normal_")
 
 
 # --- materialization --------------------------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from modattrs import _cuda_guard
-from modattrs._fake_tensors import ModattrsFakeTensorMode, check_device, install_process_hooks
+from modattrs import _torch_changes
+from modattrs._fake_tensors import ModattrsFakeTensorMode, check_device
 
 __all__ = ["fake_copy", "fake_mode", "is_fake", "meta_like"]
 
@@ -54,8 +54,9 @@ def fake_mode(*, fake_cuda: bool = False) -> Iterator[FakeTensorMode]:
             (no C++ compiler); the message names the alternatives.
     """
     if fake_cuda:
-        _cuda_guard.require()
-    install_process_hooks()
+        _torch_changes.install_fake_cuda()
+    else:
+        _torch_changes.install()
     mode = ModattrsFakeTensorMode()
     with mode:
         yield mode
@@ -95,9 +96,10 @@ def fake_copy(module: ModuleT, device: torch.device | str | int | None = None) -
     """
     target = None if device is None else torch.device(device)
     if target is not None and target.type == "cuda":
-        _cuda_guard.require()
+        _torch_changes.install_fake_cuda()
         check_device(target)
-    install_process_hooks()
+    else:
+        _torch_changes.install()
     mode = _active_mode() or ModattrsFakeTensorMode()
     memo: dict[int, object] = {}  # deepcopy's memo: each tensor, reached under any name, becomes one fake
     for name, tensor in _tensors_of(module):

@@ -1,0 +1,156 @@
+"""Every change modattrs makes to torch in a process: what it is, why, and the one order it is made in.
+
+Importing modattrs changes nothing. The first use of fake mode or deferred initialization (``fake_mode``,
+``fake_copy``, ``deferred_init``) calls :func:`install`, which makes the *base* changes, all of them, in the order
+of its body, whichever feature came first; the first use of fake CUDA on a build of torch without CUDA calls
+:func:`install_fake_cuda`, which makes the base changes and then the fake CUDA ones. So a process ends in the same
+state whatever order its features were first used in. ``docs/torch_changes.rst`` lists the changes for users;
+:func:`undo` puts back what can be put back, for tests.
+
+Replacements are made at install time, around whatever the attribute holds then (``functools.wraps``, so each
+keeps ``__wrapped__``), and each remembers what it replaced, so :func:`undo` restores exactly that.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from modattrs import _cuda_guard, _fake_backward, _generator
+from modattrs._fake_tensors import ModattrsFakeTensorMode
+
+__all__: list[str] = []
+
+Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+_DATA_POINTER_WARNING = "Accessing the data pointer of FakeTensor"
+
+
+@dataclass(frozen=True)
+class _Replaced:
+    owner: object
+    name: str
+    original: object
+
+
+_lock = threading.RLock()
+_base = False  # install() done
+_fake_backward_installed = False
+_replaced: list[_Replaced] = []  # in the order made
+_filters: list[Any] = []  # the entries added to warnings.filters
+
+
+def install() -> None:
+    """Make the base changes, once; every ``fake_mode`` entry and ``deferred_init`` call comes here."""
+    global _base
+    if _base:  # no lock once done
+        return
+    with _lock:
+        if _base:
+            return
+        # 1. torch._dynamo wraps torch.manual_seed when it is imported (so that compiled code does not trace into
+        #    it), and only if torch.manual_seed is still torch.random.manual_seed. The first fake tensor operation
+        #    imports it anyway; importing it first means change 4 always wraps the same functions.
+        import torch._dynamo
+
+        # 2. torch warns that reading the data pointer of a fake tensor is a bug, and copy.deepcopy of any tensor
+        #    reads it (nn.Transformer deep-copies its layers): that one warning is silenced.
+        warnings.filterwarnings("ignore", _DATA_POINTER_WARNING, UserWarning)
+        _filters.append(warnings.filters[0])
+        # 3. torch.nn.init.trunc_normal_ samples by rejection, reading values (.item(), mask.any()) that fake tensors
+        #    do not have, and has no __torch_function__ hook: its helper, which every caller (transformers' copy
+        #    too) goes through, hands fake tensors to their mode (deferred_init records the call as one step).
+        _replace(torch.nn.init, "_no_grad_trunc_normal_", _trunc_normal_for_fakes)
+        # 4. Fake tensors draw nothing, so deferred_init keeps track of where eager code would have the default
+        #    CPU generator (see _generator); a reseed or a state put back must be seen, also one that sets the state
+        #    the generator already has. Both names of each function are wrapped.
+        for name, wrap in (
+            ("manual_seed", _generator.seeding),
+            ("set_rng_state", _generator.restoring),
+            ("get_rng_state", _generator.saving),
+        ):
+            _replace_under_both_names(name, wrap)
+        _base = True
+
+
+def install_fake_cuda() -> None:
+    """Make fake CUDA tensors possible, after the base changes; on a build of torch with CUDA, nothing more.
+
+    Raises:
+        RuntimeError: the device guard cannot be built (no C++ compiler); the message says what to do instead.
+    """
+    global _fake_backward_installed
+    install()
+    # 5. A build of torch without CUDA has no CUDA device guard, which some Python bindings and the autograd engine
+    #    build for fake CUDA tensors too: torch's own FakeGuardImpl is compiled and registered (see _cuda_guard).
+    #    It cannot be undone. On a CUDA build, torch registers it itself.
+    _cuda_guard.require()
+    if _fake_backward_installed or _cuda_guard.cuda_built():
+        return
+    with _lock:
+        if _fake_backward_installed:
+            return
+        # 6. torch's autograd engine needs a real accelerator for CUDA gradients, which the build lacks: backward
+        #    passes over spoofed-CUDA fakes are simulated (see _fake_backward); everything else is torch's own.
+        #    Tensor.backward looks torch.autograd.backward up at call time: one replacement covers both.
+        _replace(torch.autograd, "backward", _fake_backward.simulating_backward)
+        _replace(torch.autograd, "grad", _fake_backward.simulating_grad)
+        _fake_backward_installed = True
+
+
+def undo() -> None:
+    """Put back every function replaced and remove the warning filter, in the reverse order; for tests.
+
+    The CUDA device guard stays registered (a C++ registration cannot be taken back), so fake CUDA keeps working
+    after ``install_fake_cuda``, with torch's autograd engine.
+    """
+    global _base, _fake_backward_installed
+    with _lock:
+        while _replaced:
+            replaced = _replaced.pop()
+            setattr(replaced.owner, replaced.name, replaced.original)
+        filters = cast(list[Any], warnings.filters)  # a list, typed as a sequence
+        filters[:] = [entry for entry in filters if not any(entry is ours for ours in _filters)]
+        _filters.clear()
+        mutated = getattr(warnings, "_filters_mutated", None)  # private: makes warnings read its filters again
+        if mutated is not None:
+            mutated()
+        _base = _fake_backward_installed = False
+
+
+def _replace(owner: object, name: str, wrap: Wrap) -> None:
+    original = getattr(owner, name)
+    setattr(owner, name, wrap(original))
+    _replaced.append(_Replaced(owner, name, original))
+
+
+def _replace_under_both_names(name: str, wrap: Wrap) -> None:
+    """Replace ``torch.name`` and ``torch.random.name``: one replacement when they are one function (so they stay
+    one), two when torch made them two."""
+    wrapped: dict[int, Callable[..., Any]] = {}
+    for owner in (torch, torch.random):
+        original = getattr(owner, name)
+        if id(original) not in wrapped:
+            wrapped[id(original)] = wrap(original)
+        setattr(owner, name, wrapped[id(original)])
+        _replaced.append(_Replaced(owner, name, original))
+
+
+def _trunc_normal_for_fakes(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(original)
+    def trunc_normal(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not isinstance(tensor, FakeTensor):
+            return original(tensor, *args, **kwargs)
+        if isinstance(tensor.fake_mode, ModattrsFakeTensorMode):
+            return tensor.fake_mode.opaque_call(original, (tensor, *args), kwargs, tensor)
+        return tensor  # a fake of torch's own mode: there are no values to write, as for meta tensors
+
+    trunc_normal.__modattrs_opaque__ = True  # type: ignore[attr-defined]  # register_opaque_init: registered already
+    return trunc_normal
