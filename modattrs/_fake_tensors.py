@@ -10,6 +10,9 @@
 * In-place operations that only write values (random fills, ``fill_``, ``zero_``) return their input at once:
   a fake tensor has no values, and these are most of what initializing a model costs. ``detach`` and ``empty``,
   the rest of it, take a short path to the same result.
+* A detached fake tensor holds no constant (the values torch keeps for small tensors made from Python numbers),
+  and the tensors it shares storage with forget theirs: torch would memoize it (a weak reference again), and
+  ``nn.Parameter(torch.tensor(2.0))`` could then not be moved.
 * On a build of torch without CUDA, CUDA devices are refused until the fake CUDA device guard is registered (see
   ``_cuda_guard``): without it, some operations fail and autograd aborts the process.
 
@@ -93,8 +96,9 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             return first
         kwargs = kwargs or {}
         check_device(kwargs.get("device"))
-        if func is aten.detach.default and _plain_fake(first, self):
-            assert first is not None
+        if func is aten.detach.default and type(first) is FakeTensor and first.fake_mode is self:
+            if first.constant is not None:
+                _forget_constant(self, first)
             device = first.device
             with in_kernel_invocation_manager(self):  # the fake tensor is seen as the meta tensor it is
                 meta = func(*args)
@@ -122,6 +126,19 @@ def check_device(device: object) -> None:
         raise ValueError(
             f"{device}: torch's fake CUDA device guard knows cuda:0 to cuda:{_cuda_guard.MAX_DEVICES - 1} only"
         )
+
+
+def _forget_constant(mode: FakeTensorMode, tensor: FakeTensor) -> None:
+    """Make ``tensor`` and every fake sharing its constant's storage forget their values.
+
+    Detaching a constant (``nn.Parameter(torch.tensor(2.6592))``, CLIP's ``logit_scale``) takes torch's path
+    otherwise, which memoizes the result with a weak reference, and ``Module.to`` swaps fake parameters with
+    ``torch.utils.swap_tensors``, which refuses tensors that have one. The detached tensor is made without its
+    constant; the tensors it aliases forget theirs, which a write through it would leave stale.
+    """
+    assert tensor.constant is not None
+    mode.fake_tensor_converter.invalidate_constant_aliases(tensor.constant)
+    tensor.constant = None  # in case torch's mapping did not list it
 
 
 def _plain_fake(tensor: object, mode: FakeTensorMode) -> bool:

@@ -26,3 +26,10 @@ def llama(**overrides: Any) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(LlamaConfig(**overrides))
+
+
+def clip(**overrides: Any) -> nn.Module:
+    """transformers' CLIP, whose logit_scale is a parameter made from a Python number."""
+    from transformers import CLIPConfig, CLIPModel
+
+    return CLIPModel(CLIPConfig(**overrides))

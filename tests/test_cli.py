@@ -78,6 +78,31 @@ def test_a_transformers_model_through_a_small_factory(capsys: pytest.CaptureFixt
     assert list(report["by_device"]) == ["cuda:1"]  # type: ignore[call-overload]
 
 
+CLIP_CONFIG = {
+    "text_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2},
+    "vision_config": {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "image_size": 32, "patch_size": 8,
+    },
+    "projection_dim": 16,
+}  # fmt: skip
+
+
+def test_a_clip_model_with_its_scalar_logit_scale_inspects_on_the_default_cpu(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("transformers")
+    import cli_targets
+
+    report = inspect_json(
+        "cli_targets:clip", *(f"{key}={value!r}" for key, value in CLIP_CONFIG.items()), capsys=capsys
+    )
+    real = cli_targets.clip(**CLIP_CONFIG)
+    assert report["total_parameters"] == sum(p.numel() for p in real.parameters())
+    assert list(report["by_device"]) == ["cpu"]  # type: ignore[call-overload]
+    assert report["by_dtype"]["float32"]["parameters"] == report["total_parameters"]  # type: ignore[index]
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [

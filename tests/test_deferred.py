@@ -497,6 +497,25 @@ def test_partial_materialization_peaks_at_the_subset_plus_one_tensor() -> None:
 # --- devices -----------------------------------------------------------------------------------------------------
 
 
+class LogitScale(nn.Module):
+    """CLIP's logit_scale: a parameter made from a Python number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.tensor(2.6592))
+        self.proj = nn.Linear(2, 2)
+
+
+def test_a_deferred_module_with_a_scalar_parameter_can_be_cast_to_half_and_materializes_eager_values() -> None:
+    torch.manual_seed(0)
+    eager = LogitScale().half()
+    torch.manual_seed(0)
+    deferred = deferred_init(LogitScale).half()
+    assert deferred.logit_scale.dtype == torch.float16
+    materialize_module(deferred)
+    assert_bit_identical(eager, deferred)
+
+
 def cuda_stack() -> nn.Module:
     with torch.device("cuda"):
         return Stack()

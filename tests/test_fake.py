@@ -274,6 +274,44 @@ def test_fake_modules_with_parameters_move(where: str) -> None:
     assert model.inv_freq.value.device == torch.device("cuda:1")
 
 
+class LogitScale(nn.Module):
+    """CLIP's logit_scale: a parameter made from a Python number (about 20 transformers models have one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.tensor(2.6592))
+        self.proj = nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_a_fake_module_with_a_scalar_parameter_can_be_cast_to_half_and_moved(where: str) -> None:
+    with fake_mode(fake_cuda=True) as mode:
+        model = LogitScale()
+    with mode if where == "inside" else torch.device("cpu"):
+        model.half()
+        model.to("cuda:1")
+        model.to(torch.bfloat16)
+    scale = model.logit_scale
+    assert isinstance(scale, nn.Parameter)
+    assert is_fake(scale)
+    assert (scale.shape, scale.dtype, scale.device) == ((), torch.bfloat16, torch.device("cuda:1"))
+
+
+def test_a_constant_written_through_a_parameter_made_from_it_is_never_read_stale() -> None:
+    with fake_mode():
+        value = torch.tensor(1.0)  # torch keeps the value of tensors of one element as a constant
+        view = value.view(1)
+        parameter = nn.Parameter(value)  # the same storage: writing one writes the others
+        with torch.no_grad():
+            parameter.fill_(3.0)
+        for tensor in (value, view, parameter):
+            try:  # torch may know the value, or say it does not: never the value from before the write
+                read = tensor.item()
+            except Exception:
+                continue
+            assert read == 3.0
+
+
 # --- modattrs attributes ------------------------------------------------------------------------------------------
 
 
