@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedFakeTensorException,
     UnsupportedOperatorException,
 )
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
@@ -190,12 +191,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             try:
                 result = super().__torch_dispatch__(func, types, args, kwargs)
             except (DataDependentOutputException, DynamicOutputShapeException) as error:
-                raise DeferredInitError(
-                    f"{_name(func)} needs the values of fake tensors, which do not exist while deferred_init records "
-                    f"({where()}). Values that depend on data cannot be recorded one operation at a time: move this "
-                    "code after materialize_module, or record the function doing it as one call with "
-                    "modattrs.deferred.register_opaque_init"
-                ) from error
+                raise _needs_values(_name(func)) from error
             except (UnsupportedFakeTensorException, UnsupportedOperatorException) as error:
                 raise DeferredInitError(
                     f"{_name(func)} cannot run on fake tensors ({where()}): {error}. deferred_init records on fake "
@@ -449,6 +445,62 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             tensor.is_conj(),
             tensor.is_neg(),
         )
+
+
+class ValueReads(TorchFunctionMode):
+    """Active while ``deferred_init`` records: reads of values that torch does not send through the dispatcher.
+
+    ``.numpy()``, ``np.asarray``, DLPack and formatting (``f"{t:.2f}"``) of a recorded fake tensor raise a
+    :class:`DeferredInitError` naming the operation and where it ran, as reads that do reach the dispatcher
+    (``.item()``, ``bool(t)``) do, rather than torch's error for tensor subclasses. Value reads of real tensors run
+    outside the fake mode: inside it, ``.numpy()`` detaches into a fake tensor and reads memory that is not its
+    data, and ``.item()`` makes a fake of the tensor first, which has no values.
+    """
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = _VALUE_READS.get(func) if args else None
+        if name is None:
+            return func(*args, **kwargs)
+        tensor = args[0]
+        if not isinstance(tensor, FakeTensor):
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        if isinstance(tensor.fake_mode, RecordingFakeTensorMode) and _skips_dispatch(name, tensor, args):
+            raise _needs_values(name)
+        return func(*args, **kwargs)
+
+
+def _skips_dispatch(name: str, tensor: torch.Tensor, args: Sequence[Any]) -> bool:
+    """Whether ``name`` reads values without an operation that the recording mode would see (and refuse)."""
+    if name == "Tensor.__format__":  # a format spec on a tensor of one value formats that value; repr otherwise
+        return tensor.dim() == 0 and any(args[1:])
+    return name in _SKIPPING_DISPATCH
+
+
+# Tensor methods that read values; the first ones do so without an operation a dispatch mode sees.
+_SKIPPING_DISPATCH = ("Tensor.numpy", "Tensor.__array__", "Tensor.__dlpack__")
+_VALUE_READS: dict[Any, str] = {
+    getattr(torch.Tensor, name): f"Tensor.{name}"
+    for name in (
+        "numpy", "__array__", "__dlpack__", "__format__",
+        "item", "tolist", "__float__", "__int__", "__bool__", "__complex__", "__index__",
+    )
+}  # fmt: skip
+
+
+def _needs_values(operation: str) -> DeferredInitError:
+    return DeferredInitError(
+        f"{operation} needs the values of fake tensors, which do not exist while deferred_init records ({where()}). "
+        "Values that depend on data cannot be recorded one operation at a time: move this code after "
+        "materialize_module, or record the function doing it as one call with modattrs.deferred.register_opaque_init"
+    )
 
 
 @dataclass(slots=True, kw_only=True)

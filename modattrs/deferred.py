@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from modattrs import _torch_changes
 from modattrs._fake_tensors import ModattrsFakeTensorMode
-from modattrs._recording import DeferredInitError, RecordingFakeTensorMode, new_record
+from modattrs._recording import DeferredInitError, RecordingFakeTensorMode, ValueReads, new_record
 from modattrs._replay import replay
 from modattrs.virtual import VirtualTensor
 
@@ -66,7 +66,7 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
     mode = RecordingFakeTensorMode(record)
     _this_thread.recording = True
     try:
-        with mode:
+        with mode, ValueReads():
             module = module_fn(*args, **kwargs)
             if isinstance(module, nn.Module):
                 _detach_graphs(module)

@@ -14,6 +14,7 @@ import threading
 import weakref
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -592,6 +593,54 @@ class RejectionSampled(nn.Module):
         self.weight = nn.Parameter(torch.empty(50))
         sys.modules[__name__].rejection_sample_(self.weight, 1.0)
         self.after = nn.Parameter(torch.rand(3))
+
+
+# Every way of reading values, each on a line of its own: the error names that line.
+VALUE_READS: dict[str, Callable[[Tensor], object]] = {
+    ".numpy()": lambda t: t.numpy(),
+    ".numpy(force=True)": lambda t: t.numpy(force=True),
+    "np.asarray": lambda t: np.asarray(t),
+    "np.from_dlpack": lambda t: np.from_dlpack(t),
+    ".tolist()": lambda t: t.tolist(),
+    ".item()": lambda t: t[0].item(),
+    "float()": lambda t: float(t[0]),
+    "int()": lambda t: int(t[0]),
+    "complex()": lambda t: complex(t[0]),
+    "bool()": lambda t: bool(t[0]),
+    "an index": lambda t: [1, 2, 3][t[0].long()],
+    "a format": lambda t: f"{t[0]:.2f}",
+}
+
+
+class ReadsValuesBy(nn.Module):
+    def __init__(self, read: Callable[[Tensor], object]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3))
+        read(self.weight.detach())
+
+
+@pytest.mark.parametrize("how", VALUE_READS)
+def test_every_way_of_reading_values_while_recording_raises_naming_the_operation_module_and_line(how: str) -> None:
+    read = VALUE_READS[how]
+    with pytest.raises(DeferredInitError) as error:
+        deferred_init(ReadsValuesBy, read)
+    message = str(error.value)
+    assert "needs the values of fake tensors" in message
+    assert "ReadsValuesBy.__init__" in message
+    assert f"test_deferred.py:{read.__code__.co_firstlineno}" in message
+
+
+def test_values_of_real_tensors_read_while_recording_are_their_values() -> None:
+    real, scalar = torch.tensor([0.5, 2.0]), torch.tensor(0.25)
+    read: list[object] = []
+
+    def build() -> nn.Module:
+        read.extend([real.numpy().tolist(), np.asarray(real).tolist(), np.from_dlpack(real).tolist(), real.tolist()])
+        read.extend([scalar.item(), float(scalar), bool(scalar), f"{scalar:.2f}", [1, 2][scalar.long()]])
+        return nn.Linear(2, 2)
+
+    assert is_deferred(deferred_init(build))
+    assert read == [[0.5, 2.0]] * 4 + [0.25, 0.25, True, "0.25", 1]
 
 
 def test_a_registered_opaque_init_is_recorded_as_one_call_and_replayed_exactly(
