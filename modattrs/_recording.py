@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from modattrs import _generator
+from modattrs import _cuda_guard, _generator, _torch_changes
 from modattrs._fake_tensors import ModattrsFakeTensorMode
 from modattrs._generator import Position
 
@@ -305,6 +305,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 flat[position] = None
             elif isinstance(value, torch.device):
                 device_slots.append(position)
+                if value.type == "cuda" and not _cuda_guard.ready():
+                    _make_fake_cuda_possible(func)
             elif isinstance(value, torch.Generator) and not _is_default(value):
                 generators.append((position, value))
         draws = Draws.NONE if not random else Draws.EXPLICIT if generators else Draws.DEFAULT
@@ -515,6 +517,19 @@ class _Pending:
     draws: Draws
     mutated: set[int]
     arg_refs: dict[int, int]
+
+
+def _make_fake_cuda_possible(func: Callable[..., Any]) -> None:
+    """A record that asks for CUDA on a build of torch without it gets fake CUDA, as torchdistx's did: what
+    ``fake_mode(fake_cuda=True)`` sets up."""
+    try:
+        _torch_changes.install_fake_cuda()
+    except RuntimeError as error:
+        raise DeferredInitError(
+            f"{_name(func)} asks for a CUDA device ({where()}), which this build of torch lacks: deferred_init makes "
+            f"fake CUDA tensors then, and cannot here. {error} Or build the module for the CPU: materialized, its "
+            "values are those of eager construction on the CPU either way"
+        ) from error
 
 
 def _no_draw() -> None:

@@ -537,6 +537,63 @@ def test_a_spoofed_cuda_record_materializes_on_the_cpu_with_eager_cpu_values() -
     assert_bit_identical(eager, deferred)
 
 
+CUDA_ON_ITS_OWN = """
+    import torch
+    from torch import nn
+    from modattrs.deferred import deferred_init, materialize_module
+
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 4)
+    torch.manual_seed(0)
+    by_argument = deferred_init(lambda: nn.Linear(4, 4, device="cuda"))
+    torch.manual_seed(0)  # CUDA draws do not move the CPU generator
+    with torch.device("cuda"):
+        by_context = deferred_init(nn.Linear, 4, 4)
+    print(by_argument.weight.device, by_context.weight.device)
+    for deferred in (by_argument, by_context):
+        materialize_module(deferred, device="cpu")
+        print(torch.equal(deferred.weight, eager.weight), torch.equal(deferred.bias, eager.bias))
+"""
+
+
+def test_deferring_a_module_built_for_cuda_works_on_its_own_and_materializes_eager_values_on_the_cpu() -> None:
+    if torch.backends.cuda.is_built():
+        pytest.skip("this build of torch has CUDA: nothing is spoofed")
+    from modattrs import _cuda_guard
+
+    try:
+        _cuda_guard.require()  # builds the guard once, for the fresh process below
+    except RuntimeError as error:
+        pytest.skip(f"the fake CUDA guard cannot be built here: {error}")
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CUDA_ON_ITS_OWN)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["cuda:0", "cuda:0", "True", "True", "True", "True"]
+
+
+def test_deferring_a_module_built_for_cuda_without_a_compiler_says_so_and_what_to_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from modattrs import _cuda_guard
+
+    def no_compiler() -> None:
+        raise FileNotFoundError("[Errno 2] No such file or directory: 'c++'")
+
+    monkeypatch.setattr(_cuda_guard, "_ready", False)
+    monkeypatch.setattr(_cuda_guard, "_failure", None)
+    monkeypatch.setattr(_cuda_guard, "cuda_built", lambda: False)
+    monkeypatch.setattr(_cuda_guard, "_build_and_register", no_compiler)
+    with pytest.raises(DeferredInitError) as error:
+        deferred_init(lambda: nn.Linear(4, 4, device="cuda"))
+    message = str(error.value)
+    assert "asks for a CUDA device" in message
+    assert "test_deferred.py:" in message
+    assert "No such file or directory: 'c++'" in message
+    assert "Install a C++ compiler (g++) and ninja" in message
+    assert "build the module for the CPU" in message
+
+
 def test_a_cpu_part_of_a_record_with_spoofed_cuda_materializes_alone() -> None:
     def build() -> nn.Module:
         return nn.Sequential(nn.Linear(2, 2, device="cuda"), nn.Linear(2, 2))
