@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from modattrs import _cuda_guard, _torch_changes
+from modattrs._attribute import own_attributes
 from modattrs.shaped import ShapedTensor
 from modattrs.virtual import VirtualTensor
 
@@ -224,7 +225,7 @@ def _measure(model: nn.Module, report: Report) -> None:
         size = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
         depth = 0 if not name else name.count(".") + 1
         report.modules.append(Row(name, type(module).__name__, depth, parameters, size))
-        for attribute in list(module.__dict__.values()):
+        for attribute in own_attributes(module):
             if isinstance(attribute, (VirtualTensor, ShapedTensor)):
                 report.attributes.append(_describe(name, attribute))
 

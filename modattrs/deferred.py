@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from modattrs import _torch_changes
+from modattrs._attribute import own_attributes
 from modattrs._fake_tensors import ModattrsFakeTensorMode
 from modattrs._recording import DeferredInitError, RecordingFakeTensorMode, ValueReads, new_record
 from modattrs._replay import replay
@@ -268,9 +269,9 @@ def _materialize(
             raise
         _swap(swaps)
     for owner in {id(m): m for m in scope}.values():  # cached values may have been computed from fake tensors
-        for value in vars(owner).values():
-            if isinstance(value, VirtualTensor):
-                value.invalidate()
+        for attribute in own_attributes(owner):  # not aliases: theirs is their owners' business
+            if isinstance(attribute, VirtualTensor):
+                attribute.invalidate()
     if root_mode is not None and module is not None:
         del _roots[module]  # all of it is real: the record can go
 

@@ -33,3 +33,15 @@ def clip(**overrides: Any) -> nn.Module:
     from transformers import CLIPConfig, CLIPModel
 
     return CLIPModel(CLIPConfig(**overrides))
+
+
+def shared_rotary() -> nn.Module:
+    """Two layers that read one rotary table: the second holds an alias of the first's attribute."""
+    import torch
+
+    from modattrs import VirtualTensor
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    VirtualTensor(model[0], "cos", lambda owner, dtype, device: torch.ones(8, dtype=dtype, device=device))
+    model[1].cos = model[0].cos
+    return model

@@ -186,3 +186,10 @@ def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
     result = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=120, check=False)
     assert result.stdout.startswith("modattrs._default_model:Decoder on cpu")
     assert "Traceback" not in result.stderr
+
+
+def test_an_alias_of_another_modules_attribute_is_reported_once_under_its_owner(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    report = inspect_json("cli_targets:shared_rotary", capsys=capsys)
+    assert [attribute["name"] for attribute in report["attributes"]] == ["0.cos"]  # type: ignore[attr-defined]

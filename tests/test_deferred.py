@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import modattrs.deferred
+from modattrs import VirtualTensor
 from modattrs.deferred import (
     DeferredInitError,
     deferred_init,
@@ -1002,3 +1003,17 @@ def test_the_public_names_are_the_module_all() -> None:
         "register_opaque_init",
     ]
     assert issubclass(DeferredInitError, RuntimeError)
+
+
+def test_materializing_a_module_holding_a_stale_alias_of_a_replaced_attribute_works() -> None:
+    def build() -> nn.Module:
+        module = CachedFromSubmodule()
+        module.stale = module.declared  # an alias of the attribute, which is then replaced
+        VirtualTensor(module, "declared", lambda owner, dtype, device: torch.ones(2, dtype=dtype, device=device))
+        return module
+
+    deferred = deferred_init(build)
+    materialize_module(deferred)
+    assert torch.equal(deferred.declared.value, torch.ones(2))
+    with pytest.raises(ReferenceError, match="'declared' is detached"):
+        deferred.stale.value
