@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__: list[str] = []
 
@@ -71,12 +72,6 @@ class OwnedAttribute:
                 f"{type(owner).__name__}; use {type(owner).__name__}.{self._name} instead of an old reference"
             )
         return owner
-
-    def _registered(self, owner: nn.Module) -> bool:
-        """Whether what this attribute registered on ``owner`` is still its own: false once a newer attribute of
-        the same name took it over, even if this one had been deleted from the module before (and so could not be
-        told). Hook ids are never reused, and copies of a module keep them."""
-        return self._hook_ids[0] in owner._state_dict_hooks
 
     def _replaced(self) -> ReferenceError:
         return ReferenceError(
@@ -160,7 +155,32 @@ def _rebuild(cls: type[OwnedAttribute], owner: nn.Module, fields: dict[str, Any]
     attribute._lock = threading.RLock()
     attribute._rebind(owner)
     arm_finalizer(attribute)
+    _note_bound(attribute, owner)
     return attribute
+
+
+# Every attribute bound to a module, by module and name, until a newer attribute takes the name over: take_over
+# detaches them all, those deleted from the module but still held included (the module no longer knows them).
+# Detaching makes their weak reference to the owner a dead one, which every read tests anyway: nothing is added to
+# the hot path of VirtualTensor.value. Keyed by identity (modules may define __eq__), weakly on both sides.
+_bound: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_bound_lock = threading.Lock()
+
+
+def _note_bound(attribute: OwnedAttribute, owner: nn.Module) -> None:
+    with _bound_lock:
+        names: dict[str, list[weakref.ref[OwnedAttribute]]] = _bound.setdefault(owner, {})  # type: ignore[no-untyped-call]
+        alive = [ref for ref in names.get(attribute._name, ()) if ref() is not None]
+        names[attribute._name] = [*alive, weakref.ref(attribute)]
+
+
+def _detach_all(owner: nn.Module, name: str) -> None:
+    with _bound_lock:
+        names: dict[str, list[weakref.ref[OwnedAttribute]]] | None = _bound.get(owner)  # type: ignore[no-untyped-call]
+        for ref in names.pop(name, ()) if names is not None else ():
+            attribute = ref()
+            if attribute is not None:
+                attribute._owner_ref = _DETACHED
 
 
 def check_owner(kind: str, owner: object) -> nn.Module:
@@ -209,10 +229,8 @@ def _is_own(attribute: OwnedAttribute, owner: nn.Module, name: str) -> bool:
 
 
 def take_over(owner: nn.Module, name: str) -> None:
-    """Remove what earlier attributes named ``name`` registered: the bound one, and any deleted from the module
-    but still referenced elsewhere (their finalizers have not run; once their hooks are gone they know they were
-    replaced, see :meth:`OwnedAttribute._registered`). Call once validation has passed."""
-    current = owner.__dict__.get(name)
+    """Remove what earlier attributes named ``name`` registered, and detach them: the bound one, and any deleted
+    from the module but still referenced elsewhere (their finalizers have not run). Call once validation passed."""
     for hooks in (owner._state_dict_hooks, owner._load_state_dict_pre_hooks, owner._load_state_dict_post_hooks):
         for hook_id, registered in list(hooks.items()):
             hook = _unwrap(registered)
@@ -220,8 +238,7 @@ def take_over(owner: nn.Module, name: str) -> None:
                 del hooks[hook_id]
                 for derived_name in hook.derived:
                     remove_registered(owner, derived_name)
-    if isinstance(current, OwnedAttribute) and _is_own(current, owner, name):
-        current._owner_ref = _DETACHED
+    _detach_all(owner, name)
 
 
 def _hooks_of(owner: nn.Module, name: str) -> list[_Hook]:
@@ -263,6 +280,7 @@ def bind(attribute: OwnedAttribute, owner: nn.Module) -> None:
     """
     attribute._hook_ids = register_hooks(owner, attribute._name, type(attribute)._derived(attribute._name))
     arm_finalizer(attribute)
+    _note_bound(attribute, owner)
     setattr(owner, attribute._name, attribute)
 
 

@@ -163,20 +163,19 @@ class VirtualTensor(OwnedAttribute):
         if owner is None:
             raise self._owner_gone()
         ref = owner._buffers.get(self._ref_name)
-        # The hit path, kept short; the slow path checks everything before computing. The hook id test tells that
-        # no newer attribute of this name took over what this one registered.
-        if type(ref) is Tensor and not _cache.open_scopes and self._hook_ids[0] in owner._state_dict_hooks:
+        # The hit path, kept short; the slow path checks everything before computing.
+        if type(ref) is Tensor and not _cache.open_scopes:
             cache = self._cache
             if cache is None:
                 return self._compute(owner, ref)
-            # cache.entry only ever holds a value read outside every fake mode. The same reference, object and
-            # TensorImpl, means the same device and, for an attribute following the module, dtype; a fixed dtype
-            # changes only through this attribute, which then clears the cache; dtype_from needs the check.
+            # cache.entry only ever holds a value read outside every fake mode. The same reference object means the
+            # same device and, for an attribute following the module, dtype: conversions replace it, and a load
+            # that swaps its contents in place clears the cache (_on_loaded). A fixed dtype changes only through
+            # this attribute, which then clears the cache; dtype_from needs the check.
             entry = cache.entry
             if (
                 entry is not None
                 and entry.ref is ref
-                and entry.impl == ref._cdata
                 and entry.plain
                 and self._dtype_from is None
                 and not torch.compiler.is_compiling()
@@ -188,8 +187,6 @@ class VirtualTensor(OwnedAttribute):
 
     def _value_slowly(self, owner: nn.Module, ref: Tensor | None) -> Tensor:
         """``value`` for fake (or missing) references, cached attributes, and reads inside ``modattrs.cached()``."""
-        if not self._registered(owner):
-            raise self._replaced()
         if ref is None:
             raise self._reference_gone()
         if torch.compiler.is_compiling():
@@ -242,9 +239,11 @@ class VirtualTensor(OwnedAttribute):
             dtype = _tensor_at(owner, self._dtype_from).dtype
         device = ref.device
         result = self._function(owner, dtype, device)
-        # The exact type first: a plain tensor is the common case, and isinstance is dearer. dtypes are singletons,
-        # so `is` is exact; comparing devices is dearer, so it comes last.
-        if type(result) is not Tensor and not isinstance(result, Tensor):
+        # The common case in one test: a plain tensor (isinstance is dearer) of the dtype (singletons: `is` is
+        # exact) and device (dearer to compare, so last) asked for.
+        if type(result) is Tensor and result.dtype is dtype and result.device == device:
+            return result
+        if not isinstance(result, Tensor):
             raise TypeError(
                 f"the materializer {self._materializer_name()} of VirtualTensor {self._name!r} returned "
                 f"{type(result).__name__}, expected a Tensor"
@@ -424,6 +423,10 @@ class VirtualTensor(OwnedAttribute):
 
     def _on_loaded(self, owner: nn.Module) -> None:
         with self._lock:
+            if self._cache is not None:
+                # In swap mode (torch.__future__.set_swap_module_params_on_conversion) the load swapped the
+                # reference's contents, dtype and device included, into the same object.
+                self._cache.clear()
             self._follow_loaded_data(owner)
 
     def _follow_loaded_data(self, owner: nn.Module) -> None:

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import copy
 import gc
 import io
+import pickle
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -765,3 +767,15 @@ def test_sync_references_moves_the_modules_own_attributes_and_leaves_aliases_to_
     modattrs.sync_references(model)
     assert model[1].cos.device == torch.device("cpu")
     assert outside.cos.device == torch.device("meta")
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_deleted_attribute_of_a_copied_module_raises_once_a_newer_attribute_took_its_name(how: str) -> None:
+    original = Positions(cache=True)
+    m = copy.deepcopy(original) if how == "deepcopy" else pickle.loads(pickle.dumps(original))
+    held = m.pos
+    del m.pos
+    VirtualTensor(m, "pos", doubled, dtype=torch.float64)
+    with pytest.raises(ReferenceError, match="'pos' is detached"):
+        held.value
+    assert torch.equal(original.pos.value, torch.arange(4) * 2.0)
