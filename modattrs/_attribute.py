@@ -15,6 +15,7 @@ Both :class:`~modattrs.VirtualTensor` and :class:`~modattrs.ShapedTensor` are ob
 
 from __future__ import annotations
 
+import copy
 import keyword
 import threading
 import weakref
@@ -22,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__: list[str] = []
@@ -42,6 +44,16 @@ class OwnedAttribute:
     _name: str
     _hook_ids: tuple[int, int, int]
     _lock: threading.RLock  # held by every change of the attribute, so that threads change it one at a time
+
+    def __init_subclass__(cls) -> None:
+        super().__init_subclass__()
+        _KINDS.update(dict.fromkeys(cls._suffixes, cls))
+
+    @classmethod
+    def _registers(cls, tensor: Tensor | None) -> bool:
+        """Whether ``tensor``, found under one of this kind's derived names, can be what the attribute registered
+        there, as opposed to somebody else's tensor registered under that name later."""
+        return True
 
     @classmethod
     def _derived(cls, name: str) -> tuple[str, ...]:
@@ -113,11 +125,27 @@ class OwnedAttribute:
     def _on_state_dict(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
         pass
 
-    def _on_load(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
+    def _on_load(
+        self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str], assign: bool
+    ) -> None:
         pass
 
     def _on_loaded(self, owner: nn.Module) -> None:
         pass
+
+    def __copy__(self) -> OwnedAttribute:
+        # A second object bound to the same owner, name and hooks would remove them when it goes away.
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OwnedAttribute:
+        # The owner first: an alias (another module's reference to this attribute) may be reached before the
+        # owner, and the owner's copy holds the copy of this attribute, which the alias must share.
+        owner = copy.deepcopy(self._live_owner(), memo)
+        copied = memo.get(id(self))
+        if copied is None:
+            copied = _rebuild(type(self), owner, copy.deepcopy(self._fields(), memo))
+            memo[id(self)] = copied
+        return copied
 
     # Copying and pickling. The owner is passed strongly: copy.deepcopy maps it through its memo to the module
     # being copied, and pickle to the module being unpickled (memoized before its state, so the cycle resolves).
@@ -156,7 +184,16 @@ def _rebuild(cls: type[OwnedAttribute], owner: nn.Module, fields: dict[str, Any]
     attribute._rebind(owner)
     arm_finalizer(attribute)
     _note_bound(attribute, owner)
+    _skip_hook_ids(attribute._hook_ids)
     return attribute
+
+
+def _skip_hook_ids(ids: tuple[int, ...]) -> None:
+    """Make sure that torch never hands out ``ids`` again in this process. Hook ids count from 0 in each process,
+    and a module loaded from another process keeps its ids: the next hook registered on it, ours or anybody's,
+    would take the place of one of these (hook dictionaries are keyed by id)."""
+    with _bound_lock:
+        RemovableHandle.next_id = max(RemovableHandle.next_id, max(ids) + 1)
 
 
 # Every attribute bound to a module, by module and name, until a newer attribute takes the name over: take_over
@@ -214,7 +251,12 @@ def check_names(kind: type[OwnedAttribute], owner: nn.Module, name: object) -> s
             f"cannot create {what} {name!r}: {type(owner).__name__} already has an attribute {name!r} "
             f"({_describe(owner, name)}); choose another name or delete the attribute first"
         )
-    claimed = {derived for hook in _hooks_of(owner, name) for derived in hook.derived}
+    claimed = {
+        derived
+        for hook in _hooks_of(owner, name)
+        for derived in hook.derived
+        if _kind_of(name, derived)._registers(owner._buffers.get(derived, owner._parameters.get(derived)))
+    }
     for derived_name in kind._reserved(name):
         if derived_name not in claimed and _occupied(owner, derived_name):
             raise ValueError(
@@ -237,7 +279,7 @@ def take_over(owner: nn.Module, name: str) -> None:
             if isinstance(hook, _Hook) and hook.name == name:
                 del hooks[hook_id]
                 for derived_name in hook.derived:
-                    remove_registered(owner, derived_name)
+                    remove_registered(owner, name, derived_name)
     _detach_all(owner, name)
 
 
@@ -308,11 +350,11 @@ def _release(
     owner._state_dict_hooks.pop(save, None)
     owner._load_state_dict_pre_hooks.pop(load, None)
     owner._load_state_dict_post_hooks.pop(loaded, None)
-    current = owner.__dict__.get(name)
-    kept = type(current)._derived(name) if isinstance(current, OwnedAttribute) else ()
+    current = current_attribute(owner, name)
+    kept = type(current)._derived(name) if current is not None else ()
     for derived_name in derived:
         if derived_name not in kept:
-            remove_registered(owner, derived_name)
+            remove_registered(owner, name, derived_name)
 
 
 def set_persistent(owner: nn.Module, buffer: str, persist: bool) -> None:
@@ -323,11 +365,24 @@ def set_persistent(owner: nn.Module, buffer: str, persist: bool) -> None:
         owner._non_persistent_buffers_set.add(buffer)
 
 
-def remove_registered(owner: nn.Module, name: str) -> None:
-    owner._parameters.pop(name, None)
-    owner._buffers.pop(name, None)
-    owner._non_persistent_buffers_set.discard(name)
-    owner.__dict__.pop(name, None)
+def remove_registered(owner: nn.Module, name: str, derived_name: str) -> None:
+    """Remove what attribute ``name`` registered as ``derived_name``, unless a tensor registered there later by
+    somebody else replaced it (see :meth:`OwnedAttribute._registers`)."""
+    tensor = owner._buffers.get(derived_name, owner._parameters.get(derived_name))
+    if tensor is not None and not _kind_of(name, derived_name)._registers(tensor):
+        return
+    owner._parameters.pop(derived_name, None)
+    owner._buffers.pop(derived_name, None)
+    owner._non_persistent_buffers_set.discard(derived_name)
+    owner.__dict__.pop(derived_name, None)
+
+
+def _kind_of(name: str, derived_name: str) -> type[OwnedAttribute]:
+    return _KINDS.get(derived_name[len(name) + 2 :], OwnedAttribute)
+
+
+#: The kind of attribute that registers each suffix.
+_KINDS: dict[str, type[OwnedAttribute]] = {}
 
 
 def register_hooks(owner: nn.Module, name: str, derived: tuple[str, ...]) -> tuple[int, int, int]:
@@ -349,8 +404,9 @@ def own_attributes(module: nn.Module) -> list[OwnedAttribute]:
 
 
 def current_attribute(module: nn.Module, name: str) -> OwnedAttribute | None:
+    """The attribute bound to ``module`` as ``name``: not an alias there of another module's (or name's)."""
     attribute = module.__dict__.get(name)
-    return attribute if isinstance(attribute, OwnedAttribute) else None
+    return attribute if isinstance(attribute, OwnedAttribute) and _is_own(attribute, module, name) else None
 
 
 # The hooks are small objects naming the attribute, not bound methods: a module holding a bound method of itself
@@ -398,7 +454,8 @@ class LoadHook(_Hook):
     ) -> None:
         attribute = current_attribute(module, self.name)
         if attribute is not None:
-            attribute._on_load(module, state_dict, prefix, error_msgs)
+            assign = bool(local_metadata.get("assign_to_params_buffers", False))
+            attribute._on_load(module, state_dict, prefix, error_msgs, assign)
 
 
 class LoadedHook(_Hook):

@@ -125,12 +125,16 @@ class Cache:
     ``VirtualTensor.value`` looks at), and ``fake_entry``, a value read in a fake mode (the latest such mode).
     """
 
-    __slots__ = ("entry", "fake_entry", "lock")
+    __slots__ = ("entry", "fake_entry", "generation", "lock")
 
     def __init__(self) -> None:
         self.entry: Entry | None = None
         self.fake_entry: Entry | None = None
-        self.lock = threading.RLock()  # reentrant: a materializer may read other attributes, or invalidate
+        # Taken by readers computing a value, so that concurrent readers compute once; reentrant, as a materializer
+        # may read other attributes. Never by clear(): a materializer reading an attribute in one thread while
+        # another thread's materializer invalidates it would otherwise deadlock.
+        self.lock = threading.RLock()
+        self.generation = 0  # counts clear() calls: a value computed across one is not kept
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Cache, ())  # copies and pickles start empty
@@ -138,15 +142,20 @@ class Cache:
     def get(self, mode: object) -> Entry | None:
         return self.entry if mode is None else self.fake_entry
 
-    def put(self, mode: object, entry: Entry | None) -> None:
+    def put(self, mode: object, entry: Entry, generation: int) -> None:
+        """Keep ``entry``, computed from the state at ``generation``, unless the cache was cleared since."""
+        if generation != self.generation:
+            return
         if mode is None:
             self.entry = entry
         else:
             self.fake_entry = entry
+        if generation != self.generation:  # cleared meanwhile, after the test above: take it back
+            self.clear()
 
     def clear(self) -> None:
-        with self.lock:
-            self.entry = self.fake_entry = None
+        self.generation += 1  # first: a reader storing now sees it (readers store holding the lock, one at a time)
+        self.entry = self.fake_entry = None
 
 
 #: (which dictionary of the owner, name, value, TensorImpl address, version, requires_grad); the last three are

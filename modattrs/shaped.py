@@ -334,11 +334,15 @@ class ShapedTensor(OwnedAttribute):
                 self._constraints, stored_tensor(owner, self._data_name)
             )
 
-    def _on_load(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
+    def _on_load(
+        self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str], assign: bool
+    ) -> None:
         with self._lock:
-            self._load(owner, state_dict, prefix, error_msgs)
+            self._load(owner, state_dict, prefix, error_msgs, assign)
 
-    def _load(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
+    def _load(
+        self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str], assign: bool
+    ) -> None:
         data_key, constraints_key = prefix + self._data_name, prefix + self._constraints_key
         current = stored_tensor(owner, self._data_name)
         if _occupied_by_tensor(owner, self._constraints_key):
@@ -346,11 +350,13 @@ class ShapedTensor(OwnedAttribute):
             if self._persist_constraints:
                 error_msgs.append(f"{prefix}{self._name}: {self._namesake_message(owner)}")
                 self._keep_data(state_dict, data_key, current)
-            return
-        # Saved constraints are consumed in any case, so that switching persist_constraints never breaks a strict
-        # load; they replace the current ones only when this attribute persists them, and can be read: a checkpoint
-        # loaded with map_location="meta" (or in fake mode) has no values, so the current ones stay.
-        saved = state_dict.pop(constraints_key, None)
+                return
+            saved = None
+        else:
+            # Saved constraints are consumed in any case, so that switching persist_constraints never breaks a
+            # strict load; they replace the current ones only when this attribute persists them, and can be read:
+            # a checkpoint loaded with map_location="meta" (or in fake mode) has no values, so the current ones stay.
+            saved = state_dict.pop(constraints_key, None)
         constraints = self._constraints
         if saved is not None and self._persist_constraints and _readable(saved):
             try:
@@ -363,6 +369,14 @@ class ShapedTensor(OwnedAttribute):
         loaded = state_dict.get(data_key) if persistent else None
         if not isinstance(loaded, Tensor) and constraints is self._constraints:
             return  # nothing of this attribute changes: its current data is not this load's business
+        if isinstance(loaded, Tensor) and _without_values(loaded) and not assign and not _without_values(current):
+            # torch cannot copy it, and would fail after the constraints were taken: refuse it first.
+            error_msgs.append(
+                f"{data_key}: cannot load the saved data: it has no values ({_where(loaded)}) to copy into the "
+                "module's data; load with assign=True, or load a checkpoint with values"
+            )
+            self._keep_data(state_dict, data_key, current)
+            return
         incoming = loaded if isinstance(loaded, Tensor) else current  # what the data will be after the load
         if (
             incoming is not None
@@ -415,9 +429,18 @@ def _occupied_by_tensor(owner: nn.Module, name: str) -> bool:
     return name in owner._buffers or name in owner._parameters
 
 
+def _without_values(tensor: object) -> bool:
+    """Whether ``tensor`` is one without values: on the meta device, or fake."""
+    return isinstance(tensor, Tensor) and (tensor.is_meta or isinstance(tensor, FakeTensor))
+
+
+def _where(tensor: Tensor) -> str:
+    return "fake" if isinstance(tensor, FakeTensor) else f"on {tensor.device}"
+
+
 def _readable(saved: object) -> bool:
-    """Whether saved constraints have values: a tensor on the meta device, or a fake one, has none."""
-    return not isinstance(saved, Tensor) or not (saved.is_meta or isinstance(saved, FakeTensor))
+    """Whether saved constraints have values."""
+    return not _without_values(saved)
 
 
 def _ignored(value: Tensor | None) -> bool:

@@ -148,6 +148,10 @@ class VirtualTensor(OwnedAttribute):
             depends_on=depends_on,
         )
 
+    @classmethod
+    def _registers(cls, tensor: Tensor | None) -> bool:
+        return tensor is None or tensor.numel() == 0  # a reference is empty: one with elements is somebody else's
+
     @property
     def attributes(self) -> VirtualTensorAttributes:
         """Names of what this attribute registered on its owner."""
@@ -220,9 +224,12 @@ class VirtualTensor(OwnedAttribute):
                 entry = self._cache.get(mode)
                 if entry is not None and entry.current(owner, ref, dtype, mode):
                     return entry.value
+                generation = self._cache.generation
                 value = self._compute_in(enter, owner, ref)
-                # A value with an autograd graph is never kept: backward frees the graph.
-                self._cache.put(mode, None if keeps_graph(value) else Entry(ref, dtype, mode, snapshot, value))
+                # A value with an autograd graph is never kept: backward frees the graph. Nor one whose cache was
+                # cleared while it was computed (by the materializer itself, or another thread).
+                if not keeps_graph(value):
+                    self._cache.put(mode, Entry(ref, dtype, mode, snapshot, value), generation)
         if scope is not None:
             scope[id(self)] = Entry(ref, dtype, mode, snapshot, value)
         return value
@@ -238,6 +245,8 @@ class VirtualTensor(OwnedAttribute):
         if self._dtype_from is not None:
             dtype = _tensor_at(owner, self._dtype_from).dtype
         device = ref.device
+        if ref.numel():
+            raise self._reference_taken(owner, ref)
         result = self._function(owner, dtype, device)
         # The common case in one test: a plain tensor (isinstance is dearer) of the dtype (singletons: `is` is
         # exact) and device (dearer to compare, so last) asked for.
@@ -268,6 +277,9 @@ class VirtualTensor(OwnedAttribute):
     def invalidate(self) -> None:
         """Forget the cached value, in the lasting cache and in this thread's ``modattrs.cached()`` scope."""
         self._live_owner()
+        self._forget()
+
+    def _forget(self) -> None:
         if self._cache is not None:
             self._cache.clear()
         scope = _cache.scope()
@@ -400,7 +412,9 @@ class VirtualTensor(OwnedAttribute):
             except (AttributeError, TypeError) as error:
                 raise type(error)(f"cannot rebuild VirtualTensor {self._name!r}: {error}") from None
 
-    def _on_load(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
+    def _on_load(
+        self, owner: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str], assign: bool
+    ) -> None:
         # The reference holds no data, so its key is tolerated both ways: a checkpoint saved with persist=True
         # loads into a module that does not persist it, and one without the key (saved with persist=False, or
         # before the attribute existed) loads into a module that does.
@@ -423,10 +437,9 @@ class VirtualTensor(OwnedAttribute):
 
     def _on_loaded(self, owner: nn.Module) -> None:
         with self._lock:
-            if self._cache is not None:
-                # In swap mode (torch.__future__.set_swap_module_params_on_conversion) the load swapped the
-                # reference's contents, dtype and device included, into the same object.
-                self._cache.clear()
+            # In swap mode (torch.__future__.set_swap_module_params_on_conversion) the load swapped the
+            # reference's contents, dtype and device included, into the same object.
+            self._forget()
             self._follow_loaded_data(owner)
 
     def _follow_loaded_data(self, owner: nn.Module) -> None:
