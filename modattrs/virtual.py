@@ -65,7 +65,7 @@ class VirtualTensor(OwnedAttribute):
     registered on the owner is removed.
     """
 
-    __slots__ = ("_cache", "_depends_on", "_dtype", "_dtype_from", "_function", "_method", "_ref_name")
+    __slots__ = ("_cache", "_depends_on", "_dtype", "_dtype_from", "_function", "_method", "_ref_name", "_ref_seen")
 
     LinkedAttributes = VirtualTensorAttributes
     _suffixes = ("ref",)
@@ -77,6 +77,7 @@ class VirtualTensor(OwnedAttribute):
     _cache: Cache | None  # the lasting cache, with cache=True
     _depends_on: tuple[str, ...]
     _ref_name: str
+    _ref_seen: Tensor | None  # the last reference found empty: the hot path checks each reference once
 
     def __init__(
         self,
@@ -117,6 +118,7 @@ class VirtualTensor(OwnedAttribute):
         self._depends_on = depends_on
         self._cache = Cache() if cache else None
         self._ref_name = ref_name
+        self._ref_seen = None
         self._attach(owner, lambda: owner.register_buffer(ref_name, ref, persistent=bool(persist)))
 
     @classmethod
@@ -245,8 +247,11 @@ class VirtualTensor(OwnedAttribute):
         if self._dtype_from is not None:
             dtype = _tensor_at(owner, self._dtype_from).dtype
         device = ref.device
-        if ref.numel():
-            raise self._reference_taken(owner, ref)
+        if ref is not self._ref_seen:  # the reference changed: make sure it is one, not a namesake's tensor
+            if ref.numel():
+                raise self._reference_taken(owner, ref)
+            if not torch.compiler.is_compiling():  # a side effect that export would refuse
+                self._ref_seen = ref
         result = self._function(owner, dtype, device)
         # The common case in one test: a plain tensor (isinstance is dearer) of the dtype (singletons: `is` is
         # exact) and device (dearer to compare, so last) asked for.
@@ -400,6 +405,7 @@ class VirtualTensor(OwnedAttribute):
 
     def _fields(self) -> dict[str, Any]:
         fields = super()._fields()
+        fields["_ref_seen"] = None
         if self._method is not None:
             fields["_function"] = None  # looked up again on the owner's class: nothing to pickle but a name
         return fields
@@ -424,6 +430,16 @@ class VirtualTensor(OwnedAttribute):
             return
         if ref.numel():
             error_msgs.append(f"{prefix}{self._name}: {self._reference_taken(owner, ref)}")
+            return
+        incoming = state_dict.get(key)
+        if isinstance(incoming, Tensor) and incoming.numel():
+            # In swap mode the load would swap it into the reference object, which the hot path knows as checked.
+            error_msgs.append(
+                f"{key}: VirtualTensor {self._name!r} keeps its dtype and device in this empty buffer, and the "
+                f"checkpoint has a tensor of {incoming.numel()} elements under its name; it was not saved by "
+                "modattrs: rename that key"
+            )
+            state_dict[key] = ref  # the load fails; meanwhile torch copies this key onto itself
             return
         if self.persist:
             state_dict.setdefault(key, ref)

@@ -224,3 +224,19 @@ def test_hooks_registered_on_a_module_loaded_from_another_process_never_replace_
     for script in (SAVE, LOAD_AND_ADD_HOOKS):
         run = subprocess.run([sys.executable, "-c", script.format(**arguments)], capture_output=True, text=True)
         assert run.returncode == 0, run.stderr
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["copy", "swap"])
+def test_a_checkpoint_with_a_tensor_of_elements_under_a_reference_name_is_refused(swap: bool) -> None:
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        m = nn.Module()
+        VirtualTensor(m, "x", ones, persist=True, cache=True)
+        m.x.value
+        with pytest.raises(RuntimeError, match=r"_x_ref: .*a tensor of 5 elements under its name"):
+            m.load_state_dict({"_x_ref": torch.arange(5.0)}, assign=True)
+        assert m._x_ref.numel() == 0
+        assert torch.equal(m.x.value, torch.ones(4))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
