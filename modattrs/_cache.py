@@ -7,7 +7,8 @@ changes by any route), the same dtype, the same grad and inference modes, the sa
 declared dependencies. The state is compared field by field.
 
 A value computed inside a fake mode is kept apart from the value computed outside every fake mode: reading in a
-fake mode never replaces, and is never served, the real value.
+fake mode never replaces, and is never served, the real value. (Only fake modules keep values read in a fake mode
+lastingly: see ``VirtualTensor._value_slowly``.)
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ class Cache:
     """The lasting cache of one attribute, and a lock so that concurrent readers compute once.
 
     It keeps two entries at most: ``entry``, a value read outside every fake mode (the one the hot path of
-    ``VirtualTensor.value`` looks at), and ``fake_entry``, a value read in a fake mode (the latest such mode).
+    ``VirtualTensor.value`` looks at), and ``fake_entry``, a fake module's value read in a fake mode (the latest
+    such mode).
     """
 
     __slots__ = ("entry", "fake_entry", "generation", "lock")

@@ -145,3 +145,16 @@ def _plain_fake(tensor: object, mode: FakeTensorMode) -> bool:
     # The short paths are for ordinary fakes of this mode: fakes holding a constant (small tensors made from Python
     # values) take torch's path, which keeps the constant right.
     return type(tensor) is FakeTensor and tensor.fake_mode is mode and tensor.constant is None
+
+
+def forget_real_tensors(mode: FakeTensorMode) -> None:
+    """Drop the mode's weak references to the real tensors it made fakes of, once the mode is left.
+
+    The converter keeps them (to give one real tensor one fake) for as long as the mode lives, and
+    ``torch.utils.swap_tensors``, which ``Module.to`` uses in swap mode, refuses a tensor that has one: a module read
+    inside ``fake_mode()`` could not be moved while the mode object lived. A later use of the mode makes new fakes
+    of the real tensors it meets. torch has no public way to do this (checked on 2.13).
+    """
+    describer = mode.fake_tensor_converter.meta_converter.describer
+    describer.lookup_tensor.clear()
+    describer.lookup_storage.clear()

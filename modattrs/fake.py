@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from modattrs import _torch_changes
-from modattrs._fake_tensors import ModattrsFakeTensorMode, check_device
+from modattrs._fake_tensors import ModattrsFakeTensorMode, check_device, forget_real_tensors
 
 __all__ = ["fake_copy", "fake_mode", "is_fake", "meta_like"]
 
@@ -58,8 +58,11 @@ def fake_mode(*, fake_cuda: bool = False) -> Iterator[FakeTensorMode]:
     else:
         _torch_changes.install()
     mode = ModattrsFakeTensorMode()
-    with mode:
-        yield mode
+    try:
+        with mode:
+            yield mode
+    finally:
+        forget_real_tensors(mode)
 
 
 def is_fake(tensor: Tensor) -> bool:

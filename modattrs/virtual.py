@@ -229,8 +229,10 @@ class VirtualTensor(OwnedAttribute):
                 generation = self._cache.generation
                 value = self._compute_in(enter, owner, ref)
                 # A value with an autograd graph is never kept: backward frees the graph. Nor one whose cache was
-                # cleared while it was computed (by the materializer itself, or another thread).
-                if not keeps_graph(value):
+                # cleared while it was computed (by the materializer itself, or another thread). Nor a real module's
+                # value read inside a fake mode: it would keep the mode alive, and with it the weak references the
+                # mode holds to the module's tensors, which torch.utils.swap_tensors (Module.to in swap mode) refuses.
+                if not keeps_graph(value) and (mode is None or own_mode is not None):
                     self._cache.put(mode, Entry(ref, dtype, mode, snapshot, value), generation)
         if scope is not None:
             scope[id(self)] = Entry(ref, dtype, mode, snapshot, value)

@@ -441,7 +441,6 @@ def test_a_value_cached_inside_a_fake_mode_is_never_served_outside_it(enter: Cal
     with enter():
         inside = m.table.value
         assert isinstance(inside, FakeTensor)
-        assert m.table.value is inside  # kept for this mode
     assert m.table.value is real
     with torch.no_grad():
         m.weight.add_(1)  # a real change afterwards: a real recomputation, not the fake value
@@ -494,5 +493,26 @@ def test_a_reference_swapped_in_place_by_an_assign_load_recomputes_the_cached_va
         assert value.dtype == torch.float64
         assert value.device == torch.device("cpu")
         assert torch.equal(value, torch.full((3,), 2.0, dtype=torch.float64))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+
+
+@pytest.mark.parametrize("enter", [fake_mode, _torch_fake_mode], ids=["modattrs", "torch"])
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_module_read_inside_a_fake_mode_can_be_converted_in_swap_mode_afterwards(
+    enter: Callable[[], Any], cache: bool
+) -> None:
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        m = Counted(cache=cache)
+        with enter() as mode:
+            m.table.value
+        if isinstance(mode, FakeTensorMode) and type(mode) is FakeTensorMode:
+            del mode  # torch's own mode keeps weak references to what it converted while it lives
+            gc.collect()  # and lives in reference cycles
+        m.to(torch.float64)
+        assert m.table.value.dtype == torch.float64
+        assert torch.equal(m.table.value, torch.full((3,), 2.0, dtype=torch.float64))
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swapping)
