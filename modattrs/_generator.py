@@ -1,35 +1,51 @@
-"""Where the default CPU generator is, as eager code would see it, while records are behind it.
+"""The default CPU generator's timeline: where eager code would have it, and how replays get it there.
 
-Fake tensors draw nothing, so while modules are recorded the real generator stays put, and eager code would be
-further on: after the draws recorded so far. That *position* is a point of a record, ``(record, n)``, meaning "the
-state after the first n operations of that record drew"; each recorded draw moves it. It holds for as long as the
-real generator is untouched: ``torch.manual_seed`` or ``torch.set_rng_state`` with any other state puts the
-position back on the real state. The functions that do it are wrapped (by ``_torch_changes``, with the wrappers
+This module owns every rule about the random generator in deferred initialization; the recorder and the replayer
+ask it and do what it says.
+
+Positions. Fake tensors draw nothing, so while modules are recorded the real generator stays put, and eager code
+would be further on: after the draws recorded so far. That *position* is a point of a record, ``(record, n)``,
+meaning "the state after the first n operations of that record drew"; each recorded draw moves it. It holds for as
+long as the real generator is untouched: ``torch.manual_seed`` or ``torch.set_rng_state`` with any other state puts
+the position back on the real state. The functions that do it are wrapped (by ``_torch_changes``, with the wrappers
 below) to see this (a reseed to the state the generator had would otherwise look as if nothing happened), and
 ``torch.get_rng_state`` tags the state it returns with the position, so that putting it back (``fork_rng`` does)
 returns to that point rather than to the stale state.
+
+Records. A record notes where the generator was when it began (``start``) and after its last draw (``point``). A
+draw from the default CPU generator notes where the generator was set to before it (``Op.reset``) when that is not
+where the record's previous draw left it: after a reseed, a ``fork_rng``, or draws recorded by another record in
+between. A draw from another device's default generator notes the CPU state after a reseed: materialized on the
+CPU, eager code would have drawn from the reseeded CPU generator.
+
+Replays. The CPU generator cannot skip ahead, so to run a draw as eager code did, a replay needs the generator's
+state right before it: it sets the nearest state it knows at or before that point and runs the draws in between
+on scratch tensors of the same layout, freed at once. The states it knows: the one recording began from, the
+resets noted, the one it holds after the draw it ran last, and the states that earlier replays of the record passed
+through and remembered. So materializing a model block by block, in any order, runs each draw a small number of
+times in all rather than again from the start for every block. A remembered state (5 KB for the CPU generator) is
+dropped when every draw between it and the next remembered one has been materialized, or is dead (overwritten
+before anything reads it): no replay would start there. The state after the last draw stays, for replays to the end.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
+import itertools
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
-if TYPE_CHECKING:
-    from modattrs._recording import Record
+from modattrs._record import DeferredInitError, Point, Position, Record, draws_on_cpu, scratch_arguments
 
 __all__: list[str] = []
-
-Point = tuple["Record", int]
-Position = Union[torch.Tensor, Point]  # noqa: UP007 (evaluated at runtime on Python 3.10)
 
 # Held by every recorded operation, every replay, and the wrapped functions: they all read or set the generator.
 lock = threading.RLock()
@@ -39,6 +55,9 @@ _point_state: torch.Tensor | None = None
 _point_epoch = 0
 _tags: WeakIdKeyDictionary = WeakIdKeyDictionary()  # state tensor handed out by get_rng_state -> the point then
 _suspended = 0  # while replays set the generator to states of their own, the position is not theirs to change
+
+
+# --- where eager code would be ----------------------------------------------------------------------------------------
 
 
 def position(state: torch.Tensor | None = None) -> Position:
@@ -86,6 +105,9 @@ def same(state: torch.Tensor, other: torch.Tensor | None) -> bool:
         return torch.equal(state, other)
 
 
+# --- torch functions that read or set the generator (installed by _torch_changes) ---------------------------------
+
+
 def seeding(func: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.manual_seed`` (``func``), noting that the generator left the points of records."""
 
@@ -109,8 +131,6 @@ def restoring(func: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], 
     def restoring(new_state: torch.Tensor) -> None:
         global epoch, _point
         if isinstance(new_state, FakeTensor):
-            from modattrs._recording import DeferredInitError
-
             raise DeferredInitError(
                 "torch.set_rng_state was given a fake tensor: a generator state copied (.clone()) while deferred_init "
                 "records is fake. Put back the tensor torch.get_rng_state returned, unchanged, or use fork_rng"
@@ -144,3 +164,187 @@ def saving(func: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
             return state
 
     return saving
+
+
+# --- what records note while recording --------------------------------------------------------------------------------
+
+
+def new_record() -> Record:
+    """An empty record that begins where the generator is now."""
+    with lock:
+        start = position()
+        return Record(start=start, point=start, point_epoch=epoch, epoch=epoch)
+
+
+def reset_before_draw(record: Record) -> Position | None:
+    """Where the default CPU generator is before a draw of ``record``, unless it is where the record's last draw
+    left it (then the draw needs no reset)."""
+    with lock:
+        now = position()
+        last = record.point
+        if now is last or (isinstance(now, torch.Tensor) and isinstance(last, torch.Tensor) and same(now, last)):
+            return None
+        return now
+
+
+def drew(record: Record) -> None:
+    """Note that the operation just appended to ``record`` drew from the default CPU generator."""
+    with lock:
+        point = (record, len(record.ops))
+        record.point, record.point_epoch = point, epoch
+        move_to(point)
+
+
+def reset_for_other_device(record: Record) -> torch.Tensor | None:
+    """For a draw from another device's default generator: the CPU state to draw from if ``record`` is
+    materialized on the CPU, when the generator was reseeded since the record's last such draw."""
+    with lock:
+        if epoch == record.epoch:
+            return None
+        record.epoch = epoch
+        return real_state()
+
+
+# --- replays ----------------------------------------------------------------------------------------------------------
+
+Resolve = Callable[[Point], torch.Tensor]  # the state a point of a record stands for (a replay of that record)
+
+
+class Walk:
+    """Moves the default CPU generator along one record's CPU draws, for one replay (see the module's docstring)."""
+
+    def __init__(self, record: Record, device: torch.device | None, resolve: Resolve) -> None:
+        self.record = record
+        self.device = device
+        self.draws = [index for index, op in enumerate(record.ops) if draws_on_cpu(op, device)]
+        self.states = record.states.setdefault("" if device is None else str(device), {})
+        self.live: int | None = None  # the generator holds the state after the first `live` operations
+        self._resolve = resolve
+
+    def is_draw(self, index: int) -> bool:
+        position = bisect.bisect_left(self.draws, index)
+        return position < len(self.draws) and self.draws[position] == index
+
+    def before(self, index: int) -> None:
+        """Set the generator to the state the draw at ``index`` draws from in eager code."""
+        op = self.record.ops[index]
+        if op.reset is not None:
+            _set_state(self._reset_of(index))
+        else:
+            self.reach(index)
+        self.live = None
+
+    def ran(self, index: int) -> None:
+        """Note that the draw at ``index`` ran for real, from the state ``before`` set."""
+        self.live = index + 1
+        self.record.drawn.add(index)
+
+    def reach(self, count: int) -> None:
+        """Set the generator to the state after the first ``count`` operations drew, as in eager code."""
+        if self.live == count:
+            return
+        start = self._nearest_known(count)
+        if start != self.live:
+            if start in self.states:
+                _set_state(self.states[start])
+            elif start == 0:
+                _set_state(self._start())
+            # else: a reset at `start`, set below
+        ops = self.record.ops
+        for index in self.draws[bisect.bisect_left(self.draws, start) : bisect.bisect_left(self.draws, count)]:
+            op = ops[index]
+            if op.reset is not None:
+                _set_state(self._reset_of(index))
+            elif index not in self.states:
+                self.states[index] = real_state()
+            if op.default_dtype is not torch.get_default_dtype():
+                torch.set_default_dtype(op.default_dtype)
+            args, kwargs = op.arguments(scratch_arguments(op, self.device), self.device)
+            op.func(*args, **kwargs)
+        self.live = count
+
+    def finish(self) -> None:
+        """Remember where the replay got to, and forget the states no later replay would start from: those followed,
+        up to the next state remembered, only by draws that are materialized or dead (see ``Record.dead_writes``)."""
+        if self.live is not None and self.live not in self.states:
+            self.states[self.live] = real_state()
+        settled = self.record.drawn | self.record.dead_writes()
+        for start, end in itertools.pairwise([*sorted(self.states), len(self.record.ops) + 1]):
+            between = self.draws[bisect.bisect_left(self.draws, start) : bisect.bisect_left(self.draws, end)]
+            if between and settled.issuperset(between):
+                del self.states[start]
+
+    def _nearest_known(self, count: int) -> int:
+        """The latest point at or before ``count`` whose state is known: 0 (the start), a remembered state, a reset,
+        or where the generator is now."""
+        candidates = [0]
+        if self.live is not None and self.live <= count:
+            candidates.append(self.live)
+        known = [index for index in self.states if index <= count]
+        if known:
+            candidates.append(max(known))
+        ops = self.record.ops
+        for index in reversed(self.draws[: bisect.bisect_left(self.draws, count)]):
+            if ops[index].reset is not None:
+                candidates.append(index)
+                break
+        return max(candidates)
+
+    def _reset_of(self, index: int) -> torch.Tensor:
+        op = self.record.ops[index]
+        assert op.reset is not None
+        op.reset = self._state_of(op.reset)  # worked out once; the record it pointed into can then go
+        return op.reset
+
+    def _start(self) -> torch.Tensor:
+        self.record.start = self._state_of(self.record.start)
+        return self.record.start
+
+    def _state_of(self, position: Position) -> torch.Tensor:
+        return position if isinstance(position, torch.Tensor) else self._resolve(position)
+
+
+@contextlib.contextmanager
+def replaying(record: Record, device: torch.device | None, resolve: Resolve, *, to_end: bool) -> Iterator[Walk]:
+    """Run a replay of ``record``, one at a time, with the walk that moves the generator along its draws.
+
+    Afterwards the default dtype is put back, and so is the generator, unless the replay ran ``to_end`` (every draw
+    of the record) and the caller did not reseed since recording: eager code would then be past the record's
+    draws, and the generator stays there.
+    """
+    with lock:
+        keep = to_end and (position() is record.point or epoch == record.point_epoch)
+        with suspended(), _disable_current_modes(), torch.no_grad():
+            saved = real_state()
+            default_dtype = torch.get_default_dtype()
+            walk = Walk(record, device, resolve)
+            finished = False
+            try:
+                yield walk
+                finished = True
+            finally:
+                torch.set_default_dtype(default_dtype)
+                if finished:
+                    walk.finish()
+                if finished and keep:
+                    _forget_point_of(record)
+                else:
+                    _set_state(saved)
+
+
+def _forget_point_of(record: Record) -> None:
+    """The generator now holds the state after ``record``'s last draw for real: the point that stood for it can go,
+    and with it the last reference to the record."""
+    global _point, _point_state
+    if _point is not None and _point[0] is record:
+        _point = _point_state = None
+
+
+def remembered_bytes(record: Record) -> int:
+    """The memory that states remembered for ``record``'s replays take."""
+    return sum(state.nbytes for states in record.states.values() for state in states.values())
+
+
+def _set_state(state: torch.Tensor) -> None:
+    # Not torch.set_rng_state: that one is watched for the user's changes (see restoring).
+    torch.default_generator.set_state(state)

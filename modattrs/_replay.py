@@ -1,29 +1,26 @@
-"""Replay of a record (``_recording``): run, for real, what some of its tensors need.
+"""Replay of a record (``_record``): run, for real, what some of its tensors need.
 
 Slicing. Walking the record backwards, an operation is kept when it makes a tensor that is needed or writes into
-storage that is needed, and what it reads becomes needed. Tensors are freed after their last use.
+storage that is needed, and what it reads becomes needed. An operation that writes a whole storage whatever it
+held (``normal_`` on a weight) ends the need for that storage: earlier writes to it (the constructor's own
+initialization, which ``post_init`` draws over) are dead, and run only as draws, if they draw. Operations whose
+number of draws depends on values (``pinned``) are kept in every replay. Kept operations run in order; tensors
+are freed after their last use.
 
-Random numbers. The CPU generator has no way to skip ahead, so random operations that draw from it and are not
-kept still run, into a scratch tensor of the same layout that is freed at once: the kept ones then draw what they
-drew in eager order. The walk starts at the last reset of the generator (a ``manual_seed`` seen while recording)
-before the first kept draw, or at the state recording began from, which for a record that went on from another
-one's draws is the state after those. Operations that draw from an explicit ``torch.Generator`` use its recorded
-state and need nothing of the kind. The generators of other devices are used as they are.
+Random numbers are the generator timeline's business (``_generator``): before each kept draw from the default CPU
+generator, the replay asks it to set the state eager code drew from. Operations that draw from an explicit
+``torch.Generator`` use its recorded state; the generators of other devices are used as they are.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from modattrs import _generator
-from modattrs._generator import Position
-from modattrs._recording import DeferredInitError, Draws, Op, Record, scratch_arguments
+from modattrs._record import DeferredInitError, Op, Point, Record
 
 __all__: list[str] = []
 
@@ -33,118 +30,51 @@ def replay(
 ) -> dict[int, torch.Tensor]:
     """Run what the refs in ``targets`` (ref to its storage) need, for real, and return them by ref.
 
-    With ``to_end``, every CPU draw of the record happens and the default CPU generator is left where eager
-    construction would have left it (unless the caller reseeded it since); otherwise the replay stops after the
-    last operation needed and the generator is put back as it was.
+    With ``to_end``, the default CPU generator is left where eager construction would have left it (unless the
+    caller reseeded it since); otherwise the replay stops after the last operation needed and the generator is put
+    back as it was.
     """
-    with _generator.lock:
-        at_point = _generator.position() is record.point
-    with _running() as after:
-        ops = record.ops
-        kept = _slice(ops, targets)
-        _check_devices(ops, kept, device)
+    with _generator.replaying(record, device, _state_after, to_end=to_end) as walk:
+        kept = _slice(record.ops, targets)
+        _check_devices(record.ops, kept, device)
         env: dict[int, torch.Tensor] = {}
-        _run_all(record, ops if to_end else ops[: max(kept, default=-1) + 1], kept, targets, env, device, to_end=to_end)
-        if to_end and device is None:
-            record.states_after[len(ops)] = torch.default_generator.get_state()
-        # Eager code would be past this record's draws, unless the caller reseeded since: then it stays reseeded.
-        after.keep_generator = to_end and (at_point or _generator.epoch == record.point_epoch)
+        _run_kept(record.ops, kept, targets, env, device, walk)
+        if to_end:
+            walk.reach(len(record.ops))
         return {ref: env[ref] for ref in targets}
 
 
-def state_after(record: Record, count: int) -> torch.Tensor:
+def _state_after(point: Point) -> torch.Tensor:
     """The default CPU generator's state after the first ``count`` operations of ``record`` drew, as in eager code."""
-    with _running():
-        state = record.states_after.get(count)
-        if state is None:
-            ops = record.ops[:count]
-            _run_all(record, ops, _slice(ops, {}), {}, {}, None, to_end=True)  # draws that read data run
-            state = record.states_after[count] = torch.default_generator.get_state()
-        return state
+    record, count = point
+    with _generator.replaying(record, None, _state_after, to_end=False) as walk:
+        ops = record.ops[:count]
+        _run_kept(ops, _slice(ops, {}), {}, {}, None, walk)  # draws that depend on values run for real
+        walk.reach(count)
+        return _generator.real_state()
 
 
-@dataclass
-class _After:
-    keep_generator: bool = False  # set by a block that finished where the generator should stay
-
-
-@contextlib.contextmanager
-def _running() -> Iterator[_After]:
-    """Run real operations, one replay at a time, and put the default dtype and the default CPU generator back
-    after, the generator unless the block says to keep it."""
-    with _generator.lock, _generator.suspended(), torch.no_grad(), _disable_current_modes():
-        saved = torch.default_generator.get_state()
-        default_dtype = torch.get_default_dtype()
-        after = _After()
-        try:
-            yield after
-        finally:
-            torch.set_default_dtype(default_dtype)
-            if not after.keep_generator:
-                _set_cpu_state(saved)
-
-
-def _run_all(
-    record: Record,
+def _run_kept(
     ops: list[Op],
     kept: set[int],
     targets: Mapping[int, int],
     env: dict[int, torch.Tensor],
     device: torch.device | None,
-    *,
-    to_end: bool,
+    walk: _generator.Walk,
 ) -> None:
-    draws = [index for index, op in enumerate(ops) if _draws_on_cpu(op, device)]
-    first_kept = next((index for index in draws if index in kept), None)
-    # The CPU draws start at the last reset of the generator up to the first kept draw (to the last draw, to reach
-    # the end state): earlier ones cannot change what comes after.
-    limit = first_kept if first_kept is not None or not to_end else (draws[-1] if draws else None)
-    start = None
-    if to_end and not draws:
-        _set_cpu_state(_start_of(record))  # no draws: eager construction leaves the generator as it found it
-    if limit is not None:
-        resets = [index for index in draws if index <= limit and ops[index].reset is not None]
-        start = resets[-1] if resets else draws[0]
-        if not resets:
-            _set_cpu_state(_start_of(record))
     frees = _last_uses(ops, kept, targets)
-    for index, op in enumerate(ops):
-        random_here = start is not None and index >= start and _draws_on_cpu(op, device)
-        if random_here and op.reset is not None:
-            op.reset = _resolve(op.reset)  # worked out once; the record it pointed into can then go
-            _set_cpu_state(op.reset)
-        if index not in kept and not random_here:
-            continue
+    for index in sorted(kept):
+        op = ops[index]
+        draws = walk.is_draw(index)
+        if draws:
+            walk.before(index)
         if op.default_dtype is not torch.get_default_dtype():
             torch.set_default_dtype(op.default_dtype)
-        if index in kept:
-            _run(op, env, device)
-            for ref in frees.get(index, ()):
-                env.pop(ref, None)
-        else:
-            args, kwargs = op.arguments(scratch_arguments(op, device), device)
-            op.func(*args, **kwargs)
-
-
-def _set_cpu_state(state: torch.Tensor) -> None:
-    # Not torch.set_rng_state: modattrs watches that one for the user's changes (see _generator).
-    torch.default_generator.set_state(state)
-
-
-def _resolve(position: Position) -> torch.Tensor:
-    return position if isinstance(position, torch.Tensor) else state_after(*position)
-
-
-def _start_of(record: Record) -> torch.Tensor:
-    record.start = _resolve(record.start)
-    return record.start
-
-
-def _draws_on_cpu(op: Op, device: torch.device | None) -> bool:
-    if op.draws is not Draws.DEFAULT:
-        return False
-    on = device or op.device
-    return on is not None and on.type == "cpu"
+        _run(op, env, device)
+        if draws:
+            walk.ran(index)
+        for ref in frees.get(index, ()):
+            env.pop(ref, None)
 
 
 def _slice(ops: list[Op], targets: Mapping[int, int]) -> set[int]:
@@ -153,13 +83,16 @@ def _slice(ops: list[Op], targets: Mapping[int, int]) -> set[int]:
     kept: set[int] = set()
     for index in range(len(ops) - 1, -1, -1):
         op = ops[index]
-        keep = op.pinned or not needed_refs.isdisjoint(ref for ref in op.out_refs if ref is not None)
-        if not keep and op.writes and not needed_storages.isdisjoint(op.writes):
-            keep = True
+        keep = (
+            op.pinned
+            or (not op.value_writer and not needed_refs.isdisjoint(ref for ref in op.out_refs if ref is not None))
+            or not needed_storages.isdisjoint(op.writes)
+        )
         if keep:
             kept.add(index)
+            needed_storages.difference_update(op.overwrites)  # what was written there before is dead
             needed_refs.update(op.in_refs)
-            needed_storages.update(op.in_storages)
+            needed_storages.update(op.reads)
     return kept
 
 

@@ -27,7 +27,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from modattrs import _torch_changes
 from modattrs._attribute import own_attributes
 from modattrs._fake_tensors import ModattrsFakeTensorMode
-from modattrs._recording import DeferredInitError, RecordingFakeTensorMode, ValueReads, new_record
+from modattrs._generator import new_record
+from modattrs._names import callable_name
+from modattrs._record import DeferredInitError
+from modattrs._recorder import RecordingFakeTensorMode, ValueReads
 from modattrs._replay import replay
 from modattrs.virtual import VirtualTensor
 
@@ -59,8 +62,8 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
     """
     if getattr(_this_thread, "recording", False):
         raise DeferredInitError(
-            f"deferred_init({_name_of(module_fn)}) was called while another deferred_init records; build the inner "
-            "module directly: everything inside the outer call is deferred already"
+            f"deferred_init({callable_name(module_fn)}) was called while another deferred_init records; build the "
+            "inner module directly: everything inside the outer call is deferred already"
         )
     _torch_changes.install()
     record = new_record()
@@ -76,7 +79,7 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
         _this_thread.recording = False
     if not isinstance(module, nn.Module):
         raise TypeError(
-            f"deferred_init expects a function returning a module; {_name_of(module_fn)} returned "
+            f"deferred_init expects a function returning a module; {callable_name(module_fn)} returned "
             f"a {type(module).__name__}"
         )
     for label, tensor in _tensors(module):
@@ -200,14 +203,16 @@ def register_opaque_init(owner: object, name: str, *, mutates: int = 0) -> None:
     """
     func = getattr(owner, name)
     if not callable(func):
-        raise TypeError(f"register_opaque_init: {_name_of(owner)}.{name} is a {type(func).__name__}, not a function")
+        raise TypeError(
+            f"register_opaque_init: {callable_name(owner)}.{name} is a {type(func).__name__}, not a function"
+        )
     if getattr(func, "__modattrs_opaque__", False):
         return
     parameters = list(inspect.signature(func).parameters.values())
     if not 0 <= mutates < len(parameters) or parameters[mutates].kind not in _POSITIONAL:
         raise ValueError(
-            f"register_opaque_init: mutates is the index of the positional argument {_name_of(owner)}.{name} writes "
-            f"into; it takes {[p.name for p in parameters if p.kind in _POSITIONAL]}, got {mutates}"
+            f"register_opaque_init: mutates is the index of the positional argument {callable_name(owner)}.{name} "
+            f"writes into; it takes {[p.name for p in parameters if p.kind in _POSITIONAL]}, got {mutates}"
         )
     setattr(owner, name, _opaque_wrapper(func, mutates, parameters[mutates].name))
 
@@ -464,7 +469,3 @@ def _join(prefix: str, name: str) -> str:
 
 def _device(device: torch.device | str | int | None) -> torch.device | None:
     return None if device is None else torch.device(device)
-
-
-def _name_of(obj: object) -> str:
-    return getattr(obj, "__name__", None) or type(obj).__name__

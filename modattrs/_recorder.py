@@ -1,4 +1,5 @@
-"""The record behind :mod:`modattrs.deferred`: a fake tensor mode that writes down every operation on its tensors.
+"""The recorder behind :mod:`modattrs.deferred`: a fake tensor mode that writes down every operation on its tensors
+into a record (``_record``).
 
 Identity. A tensor is known by where its data would live: (storage, offset, sizes, strides, dtype, conj and neg
 bits). Python objects and tensor impls are no good as keys, because ``nn.Parameter(t)``, ``t.data`` and
@@ -7,9 +8,8 @@ geometry, though. Every storage the record has seen is kept alive (a fake storag
 storages ever share an address.
 
 Random numbers. Fake tensors draw nothing, so the real generators stay where they were while recording; what each
-random operation would have drawn is worked out at replay (``_replay``). A draw from the default CPU generator
-notes where eager code would have the generator before it (see ``_generator``) when that is not where the record's
-previous draw left it: after a reseed, a ``fork_rng``, or draws recorded by another module in between. A
+random operation would have drawn is worked out at replay (``_replay``, ``_generator``). A draw from the default
+CPU generator notes what ``_generator`` says about where eager code would have the generator. A
 ``torch.Generator`` passed explicitly is advanced for real, on a scratch tensor, and its state before each operation
 is kept, so replays use it in constant time and the object ends where eager code leaves it.
 """
@@ -17,14 +17,12 @@ is kept, so replays use it in constant time and the object ends where eager code
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import os
 import sys
 import threading
-import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,127 +35,14 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten
 
 from modattrs import _cuda_guard, _generator, _torch_changes
 from modattrs._fake_tensors import ModattrsFakeTensorMode
-from modattrs._generator import Position
+from modattrs._names import callable_name
+from modattrs._record import DeferredInitError, Draws, Key, Op, Record, Slot, scratch_arguments
 
 __all__: list[str] = []
-
-Key = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, bool, bool]
-
-
-class DeferredInitError(RuntimeError):
-    """Deferred initialization cannot reproduce what eager construction would do."""
-
-
-class Draws(enum.Enum):
-    """Which generator an operation draws from."""
-
-    NONE = 0
-    DEFAULT = 1  # the default generator of the device it runs on
-    EXPLICIT = 2  # torch.Generator objects passed to it: their state before the operation is recorded
-
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """A fake tensor argument: its index in the flattened arguments, its ref, its storage, and its layout."""
-
-    index: int
-    ref: int
-    storage: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-    written: bool
-
-
-@dataclass(slots=True)
-class Op:
-    """One recorded call: an aten operation, or an opaque initializer (a Python function)."""
-
-    func: Callable[..., Any]
-    flat: list[Any]  # the flattened (args, kwargs); fake tensors and real ones left as None
-    spec: TreeSpec
-    slots: tuple[Slot, ...]
-    constant_slots: tuple[tuple[int, torch.Tensor, int], ...]  # (position, real tensor, its version when recorded)
-    device_slots: tuple[int, ...]
-    generator_states: tuple[tuple[int, torch.Tensor], ...]  # (position, state before the operation)
-    in_refs: frozenset[int]
-    in_storages: frozenset[int]
-    out_refs: tuple[int | None, ...]  # one per leaf of the result; None for leaves that are not tensors
-    writes: frozenset[int]  # storages written in place
-    draws: Draws
-    device: torch.device | None  # where it ran: the device of its result, or of what it wrote
-    reset: Position | None  # for draws: where the default CPU generator was set to before it (see _generator)
-    pinned: bool  # draws from a default generator as many numbers as fake values say: it runs in every replay
-    default_dtype: torch.dtype
-
-    @property
-    def name(self) -> str:
-        return _name(self.func)
-
-    @property
-    def opaque(self) -> bool:
-        return not isinstance(self.func, torch._ops.OpOverload)
-
-    def arguments(
-        self,
-        tensors: Mapping[int, torch.Tensor],
-        device: torch.device | None,
-        generators: Mapping[int, torch.Generator] | None = None,
-    ) -> tuple[Any, Any]:
-        """The arguments to call ``func`` with: fake tensors replaced from ``tensors`` (by position), real ones
-        checked, devices replaced by ``device`` if given, generators by ``generators`` or by copies at their
-        recorded state."""
-        flat = list(self.flat)
-        for position, tensor in tensors.items():
-            flat[position] = tensor
-        for position, constant, version in self.constant_slots:
-            if constant._version != version:
-                raise DeferredInitError(
-                    f"a real tensor ({tuple(constant.shape)}, {constant.dtype}) given to {self.name} while recording "
-                    "was changed in place since; the recorded "
-                    "result would differ from what eager construction computed. Leave tensors handed to a deferred "
-                    "module unchanged until it is materialized"
-                )
-            flat[position] = constant if device is None else constant.to(device)
-        if device is not None:
-            for position in self.device_slots:
-                flat[position] = device
-        for position, state in self.generator_states:
-            generator = torch.Generator(self.flat[position].device)
-            generator.set_state(state)
-            flat[position] = generator
-        for position, generator in (generators or {}).items():
-            flat[position] = generator
-        return tree_unflatten(flat, self.spec)  # type: ignore[no-any-return]
-
-
-@dataclass(eq=False)  # identity: points of records are compared with `is`
-class Record:
-    """Everything that happened to the tensors of one ``deferred_init`` call, in order."""
-
-    start: Position  # of the default CPU generator when recording began (see _generator)
-    ops: list[Op] = field(default_factory=list)
-    keys: dict[Key, int] = field(default_factory=dict)
-    storages: dict[int, torch.UntypedStorage] = field(default_factory=dict)
-    next_ref: int = 0
-    root: weakref.ref[torch.nn.Module] | None = None  # what deferred_init returned
-    point: Position = field(init=False)  # the default CPU generator's position after the record's last draw
-    point_epoch: int = field(init=False)  # _generator.epoch then: a reseed since makes the point history
-    epoch: int = field(init=False)  # _generator.epoch at the record's last draw on another device
-    states_after: dict[int, torch.Tensor] = field(default_factory=dict)  # CPU state after the first n ops
-
-    def __post_init__(self) -> None:
-        self.point = self.start
-        self.epoch = self.point_epoch = _generator.epoch
-
-
-def new_record() -> Record:
-    return Record(start=_generator.position())
 
 
 class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untyped-call]
@@ -191,11 +76,11 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             try:
                 result = super().__torch_dispatch__(func, types, args, kwargs)
             except (DataDependentOutputException, DynamicOutputShapeException) as error:
-                raise _needs_values(_name(func)) from error
+                raise _needs_values(callable_name(func)) from error
             except (UnsupportedFakeTensorException, UnsupportedOperatorException) as error:
                 raise DeferredInitError(
-                    f"{_name(func)} cannot run on fake tensors ({where()}): {error}. deferred_init records on fake "
-                    "tensors; build this part outside deferred_init and hand it in real"
+                    f"{callable_name(func)} cannot run on fake tensors ({where()}): {error}. deferred_init records on "
+                    "fake tensors; build this part outside deferred_init and hand it in real"
                 ) from error
             finally:
                 self._depth.n = 0
@@ -215,10 +100,10 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         """Record where the default CPU generator is if it moved since the last draw (a reseed at the end of
         construction), so that a full replay leaves it there."""
         with _generator.lock:
-            reset = self._cpu_reset()
+            reset = _generator.reset_before_draw(self.record)
             if reset is None:
                 return
-            self._append(
+            self.record.ops.append(
                 Op(
                     func=_no_draw,
                     flat=[],
@@ -228,9 +113,11 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                     device_slots=(),
                     generator_states=(),
                     in_refs=frozenset(),
-                    in_storages=frozenset(),
+                    reads=frozenset(),
                     out_refs=(),
                     writes=frozenset(),
+                    value_writer=False,
+                    overwrites=frozenset(),
                     draws=Draws.DEFAULT,
                     device=torch.device("cpu"),
                     reset=reset,
@@ -238,6 +125,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                     default_dtype=torch.get_default_dtype(),
                 )
             )
+            _generator.drew(self.record)
 
     def ref_of(self, tensor: FakeTensor) -> int | None:
         """The record's name for ``tensor``, or None if the record cannot account for it."""
@@ -281,9 +169,9 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 isinstance(value, torch.Tensor) and value.layout is not torch.strided
             ):
                 raise DeferredInitError(
-                    f"{_name(func)} was given a {type(value).__name__} ({where()}); deferred_init records strided "
-                    "tensors only, not storages (set_ with a storage; copy.deepcopy of a view at an offset) or sparse "
-                    "tensors: do this after materialize_module"
+                    f"{callable_name(func)} was given a {type(value).__name__} ({where()}); deferred_init records "
+                    "strided tensors only, not storages (set_ with a storage; copy.deepcopy of a view at an offset) "
+                    "or sparse tensors: do this after materialize_module"
                 )
             if isinstance(value, FakeTensor):
                 ref, storage = self._ref_of(value, func)
@@ -310,6 +198,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             elif isinstance(value, torch.Generator) and not _is_default(value):
                 generators.append((position, value))
         draws = Draws.NONE if not random else Draws.EXPLICIT if generators else Draws.DEFAULT
+        value_writer = not isinstance(func, torch._ops.OpOverload) or func in _VALUE_WRITERS
         return _Pending(
             func=func,
             flat=flat,
@@ -321,6 +210,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             draws=draws,
             mutated=written,
             arg_refs={id(originals[slot.index]): slot.ref for slot in slots},
+            value_writer=value_writer,
+            overwrites=_overwritten(slots, originals) if value_writer else frozenset(),
         )
 
     def _finish(self, pending: _Pending, result: Any) -> None:
@@ -335,9 +226,11 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             device_slots=pending.device_slots,
             generator_states=(),
             in_refs=frozenset(slot.ref for slot in pending.slots),
-            in_storages=frozenset(slot.storage for slot in pending.slots),
+            reads=_reads(pending),
             out_refs=out_refs,
             writes=writes,
+            value_writer=pending.value_writer,
+            overwrites=pending.overwrites,
             draws=pending.draws,
             device=device,
             reset=None,
@@ -347,21 +240,19 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         if pending.draws is Draws.EXPLICIT:
             if _reads_values(pending):
                 raise DeferredInitError(
-                    f"{_name(pending.func)} draws from a torch.Generator as many numbers as the values of its fake "
-                    f"inputs say ({where()}), which cannot be known while recording; draw from the default generator "
-                    "or do this after materialize_module"
+                    f"{callable_name(pending.func)} draws from a torch.Generator as many numbers as the values of its "
+                    f"fake inputs say ({where()}), which cannot be known while recording; draw from the default "
+                    "generator or do this after materialize_module"
                 )
             op.generator_states = tuple((index, generator.get_state()) for index, generator in pending.generators)
             _advance(op, dict(pending.generators))  # so the generator object ends where eager code leaves it
         elif pending.draws is Draws.DEFAULT and device is not None and device.type == "cpu":
-            op.reset = self._cpu_reset()
-            self._append(op)
+            op.reset = _generator.reset_before_draw(self.record)
+            self.record.ops.append(op)
+            _generator.drew(self.record)
             return
-        elif pending.draws is Draws.DEFAULT and _generator.epoch != self.record.epoch:
-            # Another device's generator: eager code on the CPU (device='cpu' at materialization) would have used
-            # the CPU generator, reseeded here.
-            op.reset = _generator.real_state()
-            self.record.epoch = _generator.epoch
+        elif pending.draws is Draws.DEFAULT:
+            op.reset = _generator.reset_for_other_device(self.record)
         self.record.ops.append(op)
 
     def _name_results(
@@ -379,8 +270,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 continue
             if leaf.layout is not torch.strided:
                 raise DeferredInitError(
-                    f"{_name(pending.func)} made a {leaf.layout} tensor ({where()}); deferred_init records strided "
-                    "tensors only: make this one after materialize_module"
+                    f"{callable_name(pending.func)} made a {leaf.layout} tensor ({where()}); deferred_init records "
+                    "strided tensors only: make this one after materialize_module"
                 )
             device = device or leaf.device
             ref = pending.arg_refs.get(id(leaf))
@@ -395,38 +286,20 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             device = next((slot.device for slot in pending.slots if slot.written), None)
         return tuple(out_refs), frozenset(writes), device
 
-    def _cpu_reset(self) -> Position | None:
-        """Where the default CPU generator is before a draw, unless it is where this record's last draw left it."""
-        now = _generator.position()
-        if now is self.record.point or (
-            isinstance(now, torch.Tensor)
-            and isinstance(self.record.point, torch.Tensor)
-            and _generator.same(now, self.record.point)
-        ):
-            return None
-        return now
-
-    def _append(self, op: Op) -> None:
-        """Append a draw from the default CPU generator, which moves the generator's position past it."""
-        self.record.ops.append(op)
-        point = (self.record, len(self.record.ops))
-        self.record.point, self.record.point_epoch = point, _generator.epoch
-        _generator.move_to(point)
-
     def _ref_of(self, tensor: FakeTensor, func: Callable[..., Any]) -> tuple[int, int]:
         """The ref and the storage of a fake tensor given to ``func``."""
         if tensor.fake_mode is not self:
             raise DeferredInitError(
-                f"{_name(func)} was given a fake tensor that this deferred_init did not record (made by another fake "
-                f"mode or another deferred_init call) ({where()}); deferred modules can only be combined with tensors "
-                "made in the same deferred_init call or real ones"
+                f"{callable_name(func)} was given a fake tensor that this deferred_init did not record (made by "
+                f"another fake mode or another deferred_init call) ({where()}); deferred modules can only be combined "
+                "with tensors made in the same deferred_init call or real ones"
             )
         key = self._key_of(tensor)
         ref = self.record.keys.get(key)
         if ref is None:
             raise DeferredInitError(
-                f"{_name(func)} was given a fake tensor ({tuple(tensor.shape)}, {tensor.dtype}) whose making was not "
-                f"recorded ({where()}); make tensors with torch operations inside deferred_init"
+                f"{callable_name(func)} was given a fake tensor ({tuple(tensor.shape)}, {tensor.dtype}) whose making "
+                f"was not recorded ({where()}); make tensors with torch operations inside deferred_init"
             )
         return ref, key[0]
 
@@ -517,6 +390,55 @@ class _Pending:
     draws: Draws
     mutated: set[int]
     arg_refs: dict[int, int]
+    value_writer: bool
+    overwrites: frozenset[int]
+
+
+# In-place operations that write values into their first argument whatever it held, and change nothing else of it.
+_VALUE_WRITERS = frozenset(
+    overload
+    for packet in (
+        torch.ops.aten.normal_,
+        torch.ops.aten.uniform_,
+        torch.ops.aten.random_,
+        torch.ops.aten.exponential_,
+        torch.ops.aten.cauchy_,
+        torch.ops.aten.log_normal_,
+        torch.ops.aten.geometric_,
+        torch.ops.aten.bernoulli_,
+        torch.ops.aten.fill_,
+        torch.ops.aten.zero_,
+        torch.ops.aten.copy_,
+    )
+    for overload in (getattr(packet, name) for name in packet.overloads())  # type: ignore[no-untyped-call]
+)
+
+
+def _reads(pending: _Pending) -> frozenset[int]:
+    """The storages whose values an operation reads: a view reads none (what it views is written later, or
+    before, by operations that count), an overwrite does not read what it overwrites."""
+    if isinstance(pending.func, torch._ops.OpOverload) and pending.func.is_view:
+        return frozenset()
+    return frozenset(slot.storage for slot in pending.slots if slot.storage not in pending.overwrites)
+
+
+def _overwritten(slots: Sequence[Slot], flat: Sequence[Any]) -> frozenset[int]:
+    """The storages a value writer writes whole: its written tensor covers its storage, densely, from offset 0, and
+    no other argument shares that storage (``copy_`` from a view of itself reads it)."""
+    whole: set[int] = set()
+    for slot in slots:
+        if not slot.written:
+            continue
+        tensor = flat[slot.index]
+        others = [other for other in slots if other is not slot and other.storage == slot.storage]
+        covers = (
+            tensor.storage_offset() == 0
+            and tensor.is_contiguous()
+            and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
+        )
+        if covers and not others:
+            whole.add(slot.storage)
+    return frozenset(whole)
 
 
 def _make_fake_cuda_possible(func: Callable[..., Any]) -> None:
@@ -526,27 +448,14 @@ def _make_fake_cuda_possible(func: Callable[..., Any]) -> None:
         _torch_changes.install_fake_cuda()
     except RuntimeError as error:
         raise DeferredInitError(
-            f"{_name(func)} asks for a CUDA device ({where()}), which this build of torch lacks: deferred_init makes "
-            f"fake CUDA tensors then, and cannot here. {error} Or build the module for the CPU: materialized, its "
-            "values are those of eager construction on the CPU either way"
+            f"{callable_name(func)} asks for a CUDA device ({where()}), which this build of torch lacks: "
+            f"deferred_init makes fake CUDA tensors then, and cannot here. {error} Or build the module for the CPU: "
+            "materialized, its values are those of eager construction on the CPU either way"
         ) from error
 
 
 def _no_draw() -> None:
     """Stands for a reset of the default CPU generator that no draw followed."""
-
-
-def scratch_arguments(op: Op, device: torch.device | None) -> dict[int, torch.Tensor]:
-    """Stand-ins for an operation's fake arguments, to make it draw what it would draw: empty tensors of the same
-    layout for what it writes, ones for what it reads."""
-    tensors = {}
-    for slot in op.slots:
-        on = device or slot.device
-        if slot.written:
-            tensors[slot.index] = torch.empty_strided(slot.size, slot.stride, dtype=slot.dtype, device=on)
-        else:
-            tensors[slot.index] = torch.ones(slot.size, dtype=slot.dtype, device=on)
-    return tensors
 
 
 def _advance(op: Op, generators: Mapping[int, torch.Generator]) -> None:
@@ -626,11 +535,3 @@ def _is_default(generator: torch.Generator) -> bool:
     address: int = generator._cdata  # type: ignore[attr-defined]
     default: int = torch.default_generator._cdata  # type: ignore[attr-defined]
     return address == default
-
-
-def _name(func: Callable[..., Any]) -> str:
-    return str(func) if isinstance(func, torch._ops.OpOverload) else _qualname(func)
-
-
-def _qualname(func: Callable[..., Any]) -> str:
-    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"

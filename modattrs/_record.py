@@ -1,0 +1,183 @@
+"""What :mod:`modattrs.deferred` writes down: the record of one ``deferred_init`` call, as plain data.
+
+A record is a list of operations (:class:`Op`) on tensors known by number (refs), each with where its fake
+arguments sit in its flattened arguments (:class:`Slot`), what it read and wrote, and which generator it drew from
+(:class:`Draws`). The recorder (``_recorder``) appends to it, the replayer (``_replay``) runs parts of it, and the
+generator timeline (``_generator``) keeps its notes on the random generator in the record's last fields. Nothing
+here changes a record or reads the state of torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+from torch.utils._pytree import TreeSpec, tree_unflatten
+
+from modattrs._names import callable_name
+
+__all__: list[str] = []
+
+
+class DeferredInitError(RuntimeError):
+    """Deferred initialization cannot reproduce what eager construction would do."""
+
+
+# Where the default CPU generator is, as eager code would see it (see _generator): its real state, or a point of a
+# record, (record, n), meaning "the state after the first n operations of that record drew".
+Point = tuple["Record", int]
+Position = Union[torch.Tensor, Point]  # noqa: UP007 (evaluated at runtime on Python 3.10)
+
+Key = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, bool, bool]
+
+
+class Draws(enum.Enum):
+    """Which generator an operation draws from."""
+
+    NONE = 0
+    DEFAULT = 1  # the default generator of the device it runs on
+    EXPLICIT = 2  # torch.Generator objects passed to it: their state before the operation is recorded
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """A fake tensor argument: its index in the flattened arguments, its ref, its storage, and its layout."""
+
+    index: int
+    ref: int
+    storage: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    written: bool
+
+
+@dataclass(slots=True)
+class Op:
+    """One recorded call: an aten operation, or an opaque initializer (a Python function)."""
+
+    func: Callable[..., Any]
+    flat: list[Any]  # the flattened (args, kwargs); fake tensors and real ones left as None
+    spec: TreeSpec
+    slots: tuple[Slot, ...]
+    constant_slots: tuple[tuple[int, torch.Tensor, int], ...]  # (position, real tensor, its version when recorded)
+    device_slots: tuple[int, ...]
+    generator_states: tuple[tuple[int, torch.Tensor], ...]  # (position, state before the operation)
+    in_refs: frozenset[int]
+    reads: frozenset[int]  # storages whose values it reads (a view reads none; an overwrite not its target)
+    out_refs: tuple[int | None, ...]  # one per leaf of the result; None for leaves that are not tensors
+    writes: frozenset[int]  # storages written in place
+    # Writes values into its first argument, whatever it held, and returns it unchanged otherwise (``normal_``,
+    # ``fill_``, ``copy_``, opaque initializers): the tensor it returns is not made by it.
+    value_writer: bool
+    overwrites: frozenset[int]  # storages it writes whole, as a value writer: earlier writes to them are dead
+    draws: Draws
+    device: torch.device | None  # where it ran: the device of its result, or of what it wrote
+    reset: Position | None  # for draws: where the default CPU generator was set to before it (see _generator)
+    pinned: bool  # draws from a default generator as many numbers as fake values say: it runs in every replay
+    default_dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        return callable_name(self.func)
+
+    @property
+    def opaque(self) -> bool:
+        return not isinstance(self.func, torch._ops.OpOverload)
+
+    def arguments(
+        self,
+        tensors: Mapping[int, torch.Tensor],
+        device: torch.device | None,
+        generators: Mapping[int, torch.Generator] | None = None,
+    ) -> tuple[Any, Any]:
+        """The arguments to call ``func`` with: fake tensors replaced from ``tensors`` (by position), real ones
+        checked, devices replaced by ``device`` if given, generators by ``generators`` or by copies at their
+        recorded state."""
+        flat = list(self.flat)
+        for position, tensor in tensors.items():
+            flat[position] = tensor
+        for position, constant, version in self.constant_slots:
+            if constant._version != version:
+                raise DeferredInitError(
+                    f"a real tensor ({tuple(constant.shape)}, {constant.dtype}) given to {self.name} while recording "
+                    "was changed in place since; the recorded "
+                    "result would differ from what eager construction computed. Leave tensors handed to a deferred "
+                    "module unchanged until it is materialized"
+                )
+            flat[position] = constant if device is None else constant.to(device)
+        if device is not None:
+            for position in self.device_slots:
+                flat[position] = device
+        for position, state in self.generator_states:
+            generator = torch.Generator(self.flat[position].device)
+            generator.set_state(state)
+            flat[position] = generator
+        for position, generator in (generators or {}).items():
+            flat[position] = generator
+        return tree_unflatten(flat, self.spec)  # type: ignore[no-any-return]
+
+
+@dataclass(eq=False)  # identity: points of records are compared with `is`
+class Record:
+    """Everything that happened to the tensors of one ``deferred_init`` call, in order, and the generator timeline's
+    notes on it."""
+
+    # The generator timeline's notes (kept by _generator, which makes records):
+    start: Position  # the default CPU generator's position when recording began
+    point: Position  # its position after the record's last draw
+    point_epoch: int  # _generator.epoch at that draw: a reseed since makes the point history
+    epoch: int  # _generator.epoch at the record's last draw on another device
+    # The operations, and how tensors are known:
+    ops: list[Op] = field(default_factory=list)
+    keys: dict[Key, int] = field(default_factory=dict)  # where a tensor's data would live -> its ref
+    storages: dict[int, torch.UntypedStorage] = field(default_factory=dict)  # kept alive: addresses stay unique
+    next_ref: int = 0
+    root: weakref.ref[torch.nn.Module] | None = None  # what deferred_init returned
+    # Per replay device ("" for the recorded devices): the CPU generator's state after the first n operations,
+    # remembered by replays that passed there, so that later ones start from the nearest one (see _generator).
+    states: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    drawn: set[int] = field(default_factory=set)  # CPU draws that replays ran for real (materialized)
+    _dead: tuple[int, frozenset[int]] = (0, frozenset())  # (number of ops, dead_writes of them)
+
+    def dead_writes(self) -> frozenset[int]:
+        """The operations whose writes nothing reads: every storage they write is overwritten whole later, before
+        any read. No replay keeps them; they run only for what they draw."""
+        count, dead = self._dead
+        if count != len(self.ops):
+            overwritten_before_read: set[int] = set()  # from the operation at hand on, walking backwards
+            found = set()
+            for index in range(len(self.ops) - 1, -1, -1):
+                op = self.ops[index]
+                if op.value_writer and op.writes and op.writes <= overwritten_before_read:
+                    found.add(index)
+                overwritten_before_read.update(op.overwrites)
+                overwritten_before_read.difference_update(op.reads)
+            self._dead = count, dead = len(self.ops), frozenset(found)
+        return dead
+
+
+def scratch_arguments(op: Op, device: torch.device | None) -> dict[int, torch.Tensor]:
+    """Stand-ins for an operation's fake arguments, to make it draw what it would draw: empty tensors of the same
+    layout for what it writes, ones for what it reads."""
+    tensors = {}
+    for slot in op.slots:
+        on = device or slot.device
+        if slot.written:
+            tensors[slot.index] = torch.empty_strided(slot.size, slot.stride, dtype=slot.dtype, device=on)
+        else:
+            tensors[slot.index] = torch.ones(slot.size, dtype=slot.dtype, device=on)
+    return tensors
+
+
+def draws_on_cpu(op: Op, device: torch.device | None) -> bool:
+    """Whether ``op``, replayed on ``device`` (None: where it was recorded), draws from the default CPU generator."""
+    if op.draws is not Draws.DEFAULT:
+        return False
+    on = device or op.device
+    return on is not None and on.type == "cpu"

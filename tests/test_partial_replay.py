@@ -1,0 +1,209 @@
+"""Materializing a deferred model piece by piece: the values of eager construction in any order, in linear time.
+
+Replays remember the generator states they pass, and a draw whose result is overwritten whole before anything
+reads it (a constructor's initialization that ``post_init`` redraws) runs only as a draw. The cost is counted in
+calls of a registered opaque initializer, which every replay, real or only drawing, calls once per recorded call.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import sys
+import weakref
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from modattrs import _generator
+from modattrs.deferred import (
+    _roots,
+    deferred_init,
+    is_deferred,
+    materialize_module,
+    materialize_tensor,
+    register_opaque_init,
+)
+from modattrs.fake import is_fake
+
+CALLS = {"count": 0}
+
+
+def counted_normal_(tensor: Tensor, std: float = 0.02) -> Tensor:
+    CALLS["count"] += 1
+    with torch.no_grad():
+        return tensor.normal_(0.0, std)
+
+
+def counted_uniform_(tensor: Tensor) -> Tensor:
+    CALLS["count"] += 1
+    with torch.no_grad():
+        return tensor.uniform_(-0.1, 0.1)
+
+
+register_opaque_init(sys.modules[__name__], "counted_normal_")
+register_opaque_init(sys.modules[__name__], "counted_uniform_")
+
+
+class CountedBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(counted_uniform_(torch.empty(width, width)))
+
+
+class Redrawn(nn.Module):
+    """Every weight drawn at construction, then drawn again by a post_init, as transformers' models do."""
+
+    def __init__(self, depth: int, width: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Parameter(counted_uniform_(torch.empty(16, width)))
+        self.blocks = nn.ModuleList(CountedBlock(width) for _ in range(depth))
+        self.head = nn.Parameter(counted_uniform_(torch.empty(width, 16)))
+        for parameter in self.parameters():
+            counted_normal_(parameter)
+
+
+def calls_to_materialize(depth: int, order: Callable[[list[nn.Module]], list[nn.Module]]) -> int:
+    torch.manual_seed(0)
+    eager = Redrawn(depth)
+    torch.manual_seed(0)
+    model = deferred_init(Redrawn, depth)
+    CALLS["count"] = 0
+    for block in order(list(model.blocks)):
+        materialize_module(block)
+    materialize_module(model)
+    for (name, real), expected in zip(model.state_dict().items(), eager.state_dict().values(), strict=True):
+        assert torch.equal(real, expected), name
+    return CALLS["count"]
+
+
+@pytest.mark.parametrize(
+    ("order", "most_per_draw"),
+    [(lambda blocks: blocks, 1.5), (lambda blocks: blocks[::-1], 2.5)],
+    ids=["construction-order", "reverse-order"],
+)
+def test_materializing_block_by_block_draws_each_number_a_bounded_number_of_times(
+    order: Callable[[list[nn.Module]], list[nn.Module]], most_per_draw: float
+) -> None:
+    depth = 24
+    draws = 2 * (depth + 2)  # each weight: once at construction, once in post_init
+    calls = calls_to_materialize(depth, order)
+    assert calls <= most_per_draw * draws, f"{calls} initializer calls for {draws} recorded ones"
+    # and it stays so as the model grows: linear, not quadratic
+    assert calls_to_materialize(2 * depth, order) <= 2.2 * calls
+
+
+def test_a_whole_model_materialization_runs_each_draw_once_at_most() -> None:
+    assert calls_to_materialize(12, lambda blocks: []) <= 2 * (12 + 2)
+
+
+def test_remembered_generator_states_stay_few_as_the_model_grows_and_go_with_the_record() -> None:
+    state_bytes = torch.get_rng_state().nbytes
+    for depth in (8, 32):
+        torch.manual_seed(0)
+        model = deferred_init(Redrawn, depth)
+        record = _roots[model].record
+        most = 0
+        for block in model.blocks:
+            materialize_module(block)
+            most = max(most, _generator.remembered_bytes(record))
+        assert most <= 4 * state_bytes, f"depth {depth}: {most} bytes remembered"
+        materialize_module(model)
+        assert not is_deferred(model)
+        gone = weakref.ref(record)
+        del record
+        gc.collect()
+        assert gone() is None
+
+
+# --- any order, any mix, same values ----------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.register_buffer("snapshot", self.up.weight.detach().clone())  # the constructor's draw, read before
+        packed = torch.empty(2 * width, width)  # the post_init below draws over it
+        self.q = nn.Parameter(packed[:width])
+        self.k = nn.Parameter(packed[width:])
+        nn.init.normal_(packed)
+        self.flipped = nn.Parameter(torch.empty(2 * width, width).t_())  # its layout comes from an in-place op
+
+
+class Mixed(nn.Module):
+    """Draws overwritten whole, in part, through views and transposes; a buffer copied from a weight before it is
+    redrawn; a reseed inside a fork; tied weights."""
+
+    def __init__(self, depth: int = 3, width: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 10, bias=False)
+        self.head.weight = self.embed.weight
+        with torch.random.fork_rng():
+            torch.manual_seed(7)
+            self.forked = nn.Parameter(torch.randn(3))
+        for name, parameter in self.named_parameters():
+            if parameter.dim() == 2 and not name.endswith((".q", ".k")):
+                nn.init.normal_(parameter, std=0.02)  # post_init: the constructor's draws are dead
+        with torch.no_grad():
+            self.blocks[0].down.weight.narrow(0, 0, 2).normal_()  # part of a weight: the rest stays as drawn
+            self.blocks[-1].up.bias.zero_()
+
+
+Step = tuple[str, int]
+
+
+def apply(model: Mixed, step: Step) -> None:
+    kind, index = step
+    block = model.blocks[index % len(model.blocks)]
+    if kind == "block":
+        materialize_module(block)
+    elif kind == "buffers":
+        materialize_module(block, buffers_only=True)
+    elif kind == "tensor":
+        tensors = list(block.state_dict(keep_vars=True).values())
+        materialize_tensor(tensors[index % len(tensors)])
+    elif kind == "embed":
+        materialize_module(model.embed)
+    else:
+        materialize_module(model, check_fn=lambda module: module is model)
+
+
+steps = st.lists(
+    st.tuples(st.sampled_from(["block", "buffers", "tensor", "embed", "root"]), st.integers(0, 20)), max_size=12
+)
+
+
+@functools.cache
+def eager_mixed() -> tuple[dict[str, Tensor], Tensor]:
+    torch.manual_seed(0)
+    model = Mixed()
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}, torch.get_rng_state()
+
+
+@given(steps=steps)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_materializing_in_any_order_and_mix_gives_the_eager_values_and_generator(steps: list[Step]) -> None:
+    expected, state_after_eager = eager_mixed()
+    torch.manual_seed(0)
+    model = deferred_init(Mixed)
+    torch.rand(5)  # draws in between change nothing
+    state_before = torch.get_rng_state()
+    for step in steps:
+        apply(model, step)
+        assert torch.equal(torch.get_rng_state(), state_before)
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if not is_fake(tensor):
+                assert torch.equal(tensor, expected[name]), f"{name} after {step}"
+    materialize_module(model)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    assert model.head.weight is model.embed.weight
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
