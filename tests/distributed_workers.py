@@ -17,9 +17,11 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 import modattrs
+import modattrs.deferred
 import modattrs.fake  # imported to show that it changes nothing in processes that never use it
 from modattrs import ShapedTensor, VirtualTensor
 from modattrs.deferred import deferred_init, is_deferred, materialize_module
@@ -308,6 +310,50 @@ def scenario_fsdp_materialize_after_sharding(output: Path, kind: str) -> dict[st
     return result
 
 
+def feed_forward() -> nn.Module:
+    """An MLP for tensor parallelism (38 hidden rows: torch 2.13's DTensor linear fails on uneven column shards)."""
+    return nn.Sequential(nn.Linear(DIM, 38), nn.ReLU(), nn.Linear(38, DIM))
+
+
+def tensor_parallel(model: nn.Module, mesh: Any, **kwargs: Any) -> nn.Module:
+    plan: dict[str, ParallelStyle] = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    return parallelize_module(model, mesh, plan, **kwargs)
+
+
+def scenario_tensor_parallel(output: Path) -> dict[str, Any]:
+    """Deferred, parallelized with ColwiseParallel and RowwiseParallel, then materialized; distributed without
+    communication (src_data_rank=None), and, refused, with rank 0's values scattered (the default)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = tensor_parallel(deferred_init(feed_forward), mesh, src_data_rank=None)
+    materialize_module(model)
+    generator = torch.get_rng_state()
+    shards = {name: p._local_tensor.detach().clone() for name, p in model.named_parameters()}
+    placements = {
+        name: [(type(x).__name__, getattr(x, "dim", None)) for x in p.placements]
+        for name, p in model.named_parameters()
+    }
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, DIM, generator=torch.Generator().manual_seed(0))).pow(2).mean().backward()  # same input
+    optimizer.step()
+
+    torch.manual_seed(0)
+    scattered = tensor_parallel(deferred_init(feed_forward), mesh)
+    try:
+        materialize_module(scattered)
+        refused = None
+    except modattrs.deferred.DeferredInitError as error:
+        refused = str(error)
+    return {
+        "shards": shards,
+        "placements": placements,
+        "generator": generator,
+        "trained_finite": all(p.full_tensor().isfinite().all() for p in model.parameters()),
+        "refused": refused,
+        "scattered_still_deferred": is_deferred(scattered),
+    }
+
+
 def scenario_mixed_precision(output: Path) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
@@ -352,6 +398,7 @@ SCENARIOS = {
     "fsdp-deferred": scenario_fsdp_deferred,
     "fsdp-after-sharding-decoder": lambda out: scenario_fsdp_materialize_after_sharding(out, "decoder"),
     "fsdp-after-sharding-llama": lambda out: scenario_fsdp_materialize_after_sharding(out, "llama"),
+    "tensor-parallel": scenario_tensor_parallel,
     "mixed-precision": scenario_mixed_precision,
     "dcp": scenario_dcp,
 }

@@ -133,6 +133,37 @@ def test_fsdp2_sharded_deferred_model_materializes_every_rank_shard_as_the_eager
             assert saved["trained_finite"], where
 
 
+def test_tensor_parallel_deferred_model_materializes_each_rank_slice_and_refuses_scattered_values(
+    tmp_path: Path,
+) -> None:
+    from tests.distributed_workers import feed_forward
+
+    torch.manual_seed(0)
+    eager = dict(feed_forward().named_parameters())
+    generator = torch.get_rng_state()
+    for rank, saved in enumerate(run_ranks("tensor-parallel", tmp_path)):
+        # Column-wise: weight and bias cut along dim 0 (19 rows each); row-wise: weight along dim 1, bias whole.
+        assert saved["placements"] == {
+            "0.weight": [("Shard", 0)],
+            "0.bias": [("Shard", 0)],
+            "2.weight": [("Shard", 1)],
+            "2.bias": [("Replicate", None)],
+        }
+        for name, parameter in eager.items():
+            ((kind, dim),) = saved["placements"][name]
+            expected = parameter.detach() if kind == "Replicate" else torch.chunk(parameter.detach(), 2, dim)[rank]
+            assert torch.equal(saved["shards"][name], expected), f"rank {rank}: {name}"
+        assert torch.equal(saved["generator"], generator)
+        assert saved["trained_finite"]
+        # With src_data_rank left at 0, rank 0's values are scattered: a collective, which a replay cannot run.
+        assert saved["refused"] is not None
+        assert saved["refused"].startswith("parameter '2.bias' (Linear) (this rank's local tensor of the DTensor)")
+        assert "its values come from c10d.broadcast_.default, a collective" in saved["refused"]
+        assert "Pass src_data_rank=None to parallelize_module or distribute_tensor" in saved["refused"]
+        assert "Or materialize_module first, then parallelize" in saved["refused"]
+        assert saved["scattered_still_deferred"]
+
+
 def test_fsdp2_mixed_precision_virtual_values_follow_the_compute_dtype_where_asked(tmp_path: Path) -> None:
     for rank in run_ranks("mixed-precision", tmp_path):
         # FSDP casts parameters to bfloat16 for forward, and leaves buffers alone.
