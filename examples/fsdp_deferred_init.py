@@ -24,11 +24,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from modattrs.deferred import deferred_init, materialize_module
@@ -103,7 +104,7 @@ def worker() -> None:
         eager_seconds = min(eager_seconds, time.perf_counter() - began)
     same_generator = torch.equal(generator_after, torch.get_rng_state())
     same_shards = all(
-        torch.equal(parameter._local_tensor, shard_of(eager.get_parameter(name), rank, world_size))
+        torch.equal(parameter.to_local(), shard_of(eager.get_parameter(name), rank, world_size))
         for name, parameter in model.named_parameters()
     )
 
@@ -121,7 +122,7 @@ def worker() -> None:
     dist.destroy_process_group()
 
 
-def warm_up(mesh: object) -> None:
+def warm_up(mesh: DeviceMesh) -> None:
     small = deferred_init(nn.Sequential, nn.Linear(64, 64), nn.Linear(64, 64))
     fully_shard(small[0], mesh=mesh)
     fully_shard(small, mesh=mesh)
@@ -136,7 +137,7 @@ def shard_of(full: Tensor, rank: int, world_size: int) -> Tensor:
     return chunks[rank] if rank < len(chunks) else full.detach()[:0]
 
 
-def launch(world_size: int, timeout: float = 300) -> dict[str, object]:
+def launch(world_size: int, timeout: float = 300) -> dict[str, Any]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -162,7 +163,7 @@ def launch(world_size: int, timeout: float = 300) -> dict[str, object]:
     codes = [process.returncode for process in ranks]
     if any(codes):
         raise SystemExit(f"a rank failed on {world_size} processes: exit codes {codes}")
-    result: dict[str, object] = json.loads(outputs[0].strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(outputs[0].strip().splitlines()[-1])
     return result
 
 
@@ -171,20 +172,20 @@ def main() -> None:
     sizes = [int(a) for a in arguments] if arguments and all(a.isdigit() for a in arguments) else [2]
     rows = [(size, launch(size)) for size in sizes]
     mib = 2**20
-    model_mib = int(rows[0][1]["bytes"]) / mib  # type: ignore[call-overload]
+    model_mib = int(rows[0][1]["bytes"]) / mib
     print(f"{BLOCKS}-block model, {model_mib:.1f} MiB of float32 parameters, FSDP2 over gloo on this machine's CPUs")
     print("world size | materialize vs eager | with deferred_init, fully_shard | peak memory per rank | bit-identical")
     for size, result in rows:
-        ranks: list[dict[str, int | bool]] = result["ranks"]  # type: ignore[assignment]
-        eager = float(result["eager"])  # type: ignore[arg-type]
-        materialize, total = float(result["materialize"]) / eager, float(result["total"]) / eager  # type: ignore[arg-type]
+        ranks = result["ranks"]
+        eager = float(result["eager"])
+        materialize, total = float(result["materialize"]) / eager, float(result["total"]) / eager
         peak = max(int(rank["peak_kib"]) for rank in ranks) / 1024
         identical = all(rank["shards"] and rank["generator"] for rank in ranks)
         print(
             f"{size:>10} | {materialize:>19.1f}x | {total:>30.1f}x | {peak:>7.1f} MiB ({peak / model_mib:>4.0%}) | "
             f"{identical}"
         )
-    everything = all(rank["shards"] and rank["generator"] for _, result in rows for rank in result["ranks"])  # type: ignore[attr-defined]
+    everything = all(rank["shards"] and rank["generator"] for _, result in rows for rank in result["ranks"])
     print(f"every rank's shards equal the eager model's slices, bit for bit, generator included: {everything}")
 
 
