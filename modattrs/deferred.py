@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -258,6 +259,8 @@ def _materialize(
             _add_aliases(tensors, mode, recorded_root)
             scope.extend(recorded_root.modules())
     refs = {key: _ref_of(label, tensor) for _, tensors in groups.values() for key, (label, tensor) in tensors.items()}
+    for mode, tensors in groups.values():
+        _refuse_collectives(mode, tensors, refs)
     everything = [entry for _, tensors in groups.values() for entry in tensors.values()]
     with _recurrent_weights_released(scope, everything):
         _check_swappable(everything)
@@ -289,6 +292,50 @@ def _by_record(chosen: list[tuple[str, FakeTensor]]) -> dict[int, tuple[Recordin
             raise _not_recorded(label)
         groups.setdefault(id(mode), (mode, {}))[1][id(tensor)] = (label, tensor)
     return groups
+
+
+def _refuse_collectives(mode: RecordingFakeTensorMode, tensors: Chosen, refs: dict[int, int]) -> None:
+    """Raise if the chosen tensors' values depend on a collective (a scatter, a broadcast) that ran on fake tensors.
+
+    ``distribute_tensor`` and ``parallelize_module`` send rank 0's data to the other ranks unless given
+    ``src_data_rank=None``; on a deferred tensor, that records a collective. A replay cannot run one: each rank
+    materializes on its own, what and when it chooses, so the other ranks would not be there to answer, and the
+    replay would read the result before the collective finished. Found by walking the record backwards as a replay
+    does: an operation is needed when it makes a needed tensor or writes into needed storage.
+    """
+    ops = mode.record.ops
+    if not any(_is_collective(op.func) for op in ops):
+        return
+    needed_refs = {refs[key] for key in tensors}
+    needed_storages = {mode.storage_of(tensor) for _, tensor in tensors.values()}
+    for op in reversed(ops):
+        made = not needed_refs.isdisjoint(ref for ref in op.out_refs if ref is not None)
+        if not (op.pinned or made or not needed_storages.isdisjoint(op.writes)):
+            continue
+        if _is_collective(op.func):
+            # c10d's schemas do not mark the tensors they fill as written: they are results with their argument's ref.
+            filled = op.writes | {slot.storage for slot in op.slots if slot.ref in op.out_refs}
+            label = next((label for label, t in tensors.values() if mode.storage_of(t) in filled), None)
+            label = label or next(iter(tensors.values()))[0]
+            raise DeferredInitError(
+                f"{label} cannot be materialized: its values come from {op.name}, a collective that sent data "
+                "between ranks while it was deferred (distribute_tensor and parallelize_module send rank 0's "
+                "values unless given src_data_rank=None), and a replay cannot run collectives. Pass "
+                "src_data_rank=None to parallelize_module or distribute_tensor: every rank's deferred module holds "
+                "the same values, so each rank cuts its own part without communication. Or materialize_module "
+                "first, then parallelize"
+            )
+        needed_refs.update(op.in_refs)
+        needed_storages.update(op.in_storages)
+
+
+def _is_collective(func: object) -> bool:
+    return isinstance(func, torch._ops.OpOverload) and func.namespace in _COLLECTIVE_NAMESPACES
+
+
+# c10d: the collectives torch.distributed calls (scatter_, broadcast_, allreduce_, ...); the others: functional
+# collectives, which DTensor uses to redistribute.
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
 
 
 def _add_aliases(tensors: Chosen, mode: RecordingFakeTensorMode, root: nn.Module) -> None:
@@ -431,25 +478,71 @@ def _not_recorded(label: str) -> DeferredInitError:
 
 
 def _tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """Every tensor of ``module`` and its submodules (see ``_own_tensors``), labelled for messages."""
+    """Every tensor of ``module`` and its submodules (see ``_own_tensors``), and the shard storage FSDP2 keeps for
+    them, labelled for messages."""
     for prefix, submodule in module.named_modules():
         yield from _own_tensors(submodule, prefix, buffers_only=False)
+        yield from _fsdp_shards(submodule, prefix)
 
 
 def _own_tensors(module: nn.Module, prefix: str, *, buffers_only: bool) -> Iterator[tuple[str, Tensor]]:
-    """A module's own parameters, buffers and plain tensor attributes, labelled for messages."""
+    """A module's own parameters, buffers and plain tensor attributes, labelled for messages; for a DTensor (sharded
+    by FSDP2 or by tensor parallelism), the local tensor it wraps, which is what the record made."""
     kind = type(module).__name__
     if not buffers_only:
         for name, parameter in module._parameters.items():
             if parameter is not None:
-                yield f"parameter {_join(prefix, name)!r} ({kind})", parameter
+                yield _local(f"parameter {_join(prefix, name)!r} ({kind})", parameter)
     for name, buffer in module._buffers.items():
         if buffer is not None:
-            yield f"buffer {_join(prefix, name)!r} ({kind})", buffer
+            yield _local(f"buffer {_join(prefix, name)!r} ({kind})", buffer)
     for name, value in vars(module).items():
         if name not in ("_parameters", "_buffers", "_modules"):
             for path, tensor in _tensors_in(value, name, set()):
-                yield f"tensor attribute {_join(prefix, path)!r} ({kind})", tensor
+                yield _local(f"tensor attribute {_join(prefix, path)!r} ({kind})", tensor)
+
+
+def _local(label: str, tensor: Tensor) -> tuple[str, Tensor]:
+    """``tensor``, or the local tensor of a DTensor: the DTensor itself is a wrapper without data of its own, and its
+    local tensor is a fake tensor that the record made (``fully_shard`` and ``distribute_tensor`` run torch
+    operations on the deferred tensor to cut this rank's part out of it)."""
+    dtensor_type = _dtensor_type()
+    if dtensor_type is None or not isinstance(tensor, dtensor_type):
+        return label, tensor
+    # DTensor._local_tensor (torch 2.13): DTensor.to_local() returns another tensor object each time, and
+    # swap_tensors has to reach the one the DTensor holds; torch has no public accessor for it.
+    local: Tensor = tensor._local_tensor  # type: ignore[attr-defined]
+    return f"{label} (this rank's local tensor of the DTensor)", local
+
+
+def _dtensor_type() -> type[Tensor] | None:
+    """DTensor, if torch.distributed.tensor was imported (no DTensor can exist otherwise, and importing it is slow)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
+def _fsdp_shards(module: nn.Module, prefix: str) -> Iterator[tuple[str, Tensor]]:
+    """The padded shard storage FSDP2 keeps for each parameter it manages in ``module`` (a ``fully_shard`` unit).
+
+    ``fully_shard`` pads this rank's part of each parameter to an equal size on every rank and keeps the padded
+    tensor flat, next to the DTensor parameter whose local tensor is a view of its first rows; all-gathers read it.
+    Materialized with the parameter (they share storage), it stays a view of the same real storage, as FSDP2 made it.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    fsdp_module_type = getattr(fsdp, "FSDPModule", None)
+    if fsdp_module_type is None or not isinstance(module, fsdp_module_type):
+        return
+    # FSDPModule._get_fsdp_state(), FSDPState._fsdp_param_groups, FSDPParamGroup.fsdp_params and
+    # FSDPParam._sharded_param_data / _module_info (torch 2.13): FSDP2 has no public API to reach the storage its
+    # all-gathers read, nor one to rebuild it after the parameter's local tensor changed (reset_sharded_param is
+    # private too, and it copies into new storage when the shard is padded).
+    state = module._get_fsdp_state()
+    for group in state._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            info = fsdp_param._module_info
+            owner = next((path for path, sub in module.named_modules() if sub is info.module), "?")
+            name = _join(_join(prefix, owner) if owner else prefix, info.param_name)
+            yield f"FSDP2's padded shard of parameter {name!r}", fsdp_param._sharded_param_data
 
 
 def _tensors_in(value: object, path: str, seen: set[int]) -> Iterator[tuple[str, Tensor]]:

@@ -16,13 +16,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 import modattrs
+import modattrs.deferred
 import modattrs.fake  # imported to show that it changes nothing in processes that never use it
 from modattrs import ShapedTensor, VirtualTensor
-from modattrs.deferred import deferred_init, materialize_module
+from modattrs.deferred import deferred_init, is_deferred, materialize_module
 
 DIM, HEADS, LENGTH = 16, 2, 8
 
@@ -81,11 +83,22 @@ class PlainRotary(nn.Module):
         self.register_buffer("cos", rope_table(self, torch.float32, torch.empty(0).device, "cos"), persistent=False)
 
 
+class Routed(Attention):
+    """Attention with a 3-row router: FSDP2 pads its shard on 2 ranks, and leaves rank 3 of 4 with no rows."""
+
+    def __init__(self, persist: bool = False) -> None:
+        super().__init__(persist)
+        self.router = nn.Linear(DIM, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) + self.router(x).sum(-1, keepdim=True)
+
+
 class Decoder(nn.Module):
-    def __init__(self, persist: bool = False, layers: int = 2) -> None:
+    def __init__(self, persist: bool = False, layers: int = 2, block: type[Attention] = Attention) -> None:
         super().__init__()
         self.embed = nn.Embedding(32, DIM)
-        self.blocks = nn.ModuleList(Attention(persist) for _ in range(layers))
+        self.blocks = nn.ModuleList(block(persist) for _ in range(layers))
         self.plain = PlainRotary()
         self.head = nn.Linear(DIM, 32, bias=False)
 
@@ -190,6 +203,157 @@ def scenario_fsdp_deferred(output: Path) -> dict[str, Any]:
     }
 
 
+def llama() -> nn.Module:
+    """transformers' Llama, tiny: post_init draws every weight again after construction."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=DIM,
+        intermediate_size=2 * DIM + 6,  # 38 rows: FSDP2 pads the shards of the MLP's up and gate projections on 4 ranks
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=1,
+    )
+    return LlamaForCausalLM(config)
+
+
+def routed_decoder() -> nn.Module:
+    return Decoder(layers=3, block=Routed)
+
+
+MODELS = {"decoder": routed_decoder, "llama": llama}
+
+
+def blocks_of(model: nn.Module) -> nn.ModuleList:
+    blocks = model.model.layers if hasattr(model, "model") else model.blocks
+    assert isinstance(blocks, nn.ModuleList)
+    return blocks
+
+
+def shard_deferred(build: Any, mesh: Any) -> nn.Module:
+    """Seed, build deferred, and fully_shard every block, then the root: nothing is real yet."""
+    torch.manual_seed(0)
+    model = deferred_init(build)
+    for block in blocks_of(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert is_deferred(model)
+    return model
+
+
+def local_shards(model: nn.Module) -> dict[str, Tensor]:
+    return {name: p._local_tensor.detach().clone() for name, p in model.named_parameters()}
+
+
+def fsdp_storage_shared(model: nn.Module) -> dict[str, bool]:
+    """For each parameter, whether FSDP2's padded flat shard (what its all-gathers read) is real, starts where the
+    parameter's local tensor does, and holds zeros after it."""
+    shared = {}
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                local, flat = fsdp_param.sharded_param._local_tensor, fsdp_param._sharded_param_data
+                name = f"{type(fsdp_param._module_info.module).__name__}.{fsdp_param._module_info.param_name}"
+                shared[f"{name}#{len(shared)}"] = (
+                    not modattrs.fake.is_fake(flat)
+                    and flat.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+                    and flat.storage_offset() == local.storage_offset()
+                    and not flat[local.numel() :].any()
+                )
+    return shared
+
+
+def train_llama(model: nn.Module) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.randint(0, 32, (2, LENGTH), generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+
+
+def shard_mesh(size: int) -> Any:
+    """A mesh of ``size`` ranks for FSDP2 to shard over: a row of a (world / size, size) mesh, as HSDP builds."""
+    world = dist.get_world_size()
+    return init_device_mesh("cpu", (world // size, size), mesh_dim_names=("replicate", "shard"))["shard"]
+
+
+def scenario_fsdp_materialize_after_sharding(output: Path, kind: str) -> dict[str, Any]:
+    """Deferred, sharded with FSDP2 over 1, 2, ... up to all ranks, then materialized: block by block (a rank holds
+    its shards and one unsharded block), and in one materialize_module call; then one training step each."""
+    result: dict[str, Any] = {}
+    build = MODELS[kind]
+    for size in (1, 2, 4):
+        if size <= dist.get_world_size():
+            mesh = shard_mesh(size)
+            by_block = shard_deferred(build, mesh)
+            for block in blocks_of(by_block):
+                materialize_module(block)
+                assert not is_deferred(block)
+            materialize_module(by_block)
+            generator_by_block = torch.get_rng_state()
+            whole = shard_deferred(build, mesh)
+            materialize_module(whole)
+            result[size] = {
+                "by_block": local_shards(by_block),
+                "whole": local_shards(whole),
+                "generator_by_block": generator_by_block,
+                "generator_whole": torch.get_rng_state(),
+                "fsdp_storage_shared": {**fsdp_storage_shared(by_block), **fsdp_storage_shared(whole)},
+                "deferred": is_deferred(by_block) or is_deferred(whole),
+            }
+            for model in (by_block, whole):
+                train_llama(model) if kind == "llama" else train(model, steps=1)
+            parameters = (*by_block.parameters(), *whole.parameters())
+            result[size]["trained_finite"] = all(p.full_tensor().isfinite().all() for p in parameters)
+    return result
+
+
+def feed_forward() -> nn.Module:
+    """An MLP for tensor parallelism (38 hidden rows: torch 2.13's DTensor linear fails on uneven column shards)."""
+    return nn.Sequential(nn.Linear(DIM, 38), nn.ReLU(), nn.Linear(38, DIM))
+
+
+def tensor_parallel(model: nn.Module, mesh: Any, **kwargs: Any) -> nn.Module:
+    plan: dict[str, ParallelStyle] = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    return parallelize_module(model, mesh, plan, **kwargs)
+
+
+def scenario_tensor_parallel(output: Path) -> dict[str, Any]:
+    """Deferred, parallelized with ColwiseParallel and RowwiseParallel, then materialized; distributed without
+    communication (src_data_rank=None), and, refused, with rank 0's values scattered (the default)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = tensor_parallel(deferred_init(feed_forward), mesh, src_data_rank=None)
+    materialize_module(model)
+    generator = torch.get_rng_state()
+    shards = {name: p._local_tensor.detach().clone() for name, p in model.named_parameters()}
+    placements = {
+        name: [(type(x).__name__, getattr(x, "dim", None)) for x in p.placements]
+        for name, p in model.named_parameters()
+    }
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, DIM, generator=torch.Generator().manual_seed(0))).pow(2).mean().backward()  # same input
+    optimizer.step()
+
+    torch.manual_seed(0)
+    scattered = tensor_parallel(deferred_init(feed_forward), mesh)
+    try:
+        materialize_module(scattered)
+        refused = None
+    except modattrs.deferred.DeferredInitError as error:
+        refused = str(error)
+    return {
+        "shards": shards,
+        "placements": placements,
+        "generator": generator,
+        "trained_finite": all(p.full_tensor().isfinite().all() for p in model.parameters()),
+        "refused": refused,
+        "scattered_still_deferred": is_deferred(scattered),
+    }
+
+
 def scenario_mixed_precision(output: Path) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
@@ -232,6 +396,9 @@ SCENARIOS = {
     "ddp-no-broadcast": lambda out: scenario_ddp(out, broadcast_buffers=False),
     "fsdp-meta-init": scenario_fsdp_meta_init,
     "fsdp-deferred": scenario_fsdp_deferred,
+    "fsdp-after-sharding-decoder": lambda out: scenario_fsdp_materialize_after_sharding(out, "decoder"),
+    "fsdp-after-sharding-llama": lambda out: scenario_fsdp_materialize_after_sharding(out, "llama"),
+    "tensor-parallel": scenario_tensor_parallel,
     "mixed-precision": scenario_mixed_precision,
     "dcp": scenario_dcp,
 }

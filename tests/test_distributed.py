@@ -95,6 +95,75 @@ def test_fsdp2_with_deferred_init_starts_from_the_eager_weights_one_block_at_a_t
     assert_equal_dicts(first["trained"], second["trained"])
 
 
+def eager_shards(kind: str, world_size: int, rank: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """This rank's part of each parameter of the model built eagerly in this process with seed 0 (FSDP2 cuts dim 0
+    with torch.chunk, and gives ranks past the last chunk none), and the generator state eager construction leaves."""
+    from tests.distributed_workers import MODELS
+
+    torch.manual_seed(0)
+    eager = MODELS[kind]()
+    generator = torch.get_rng_state()
+    shards = {}
+    for name, parameter in eager.named_parameters():
+        chunks = torch.chunk(parameter.detach(), world_size, dim=0)
+        shards[name] = chunks[rank] if rank < len(chunks) else parameter.detach()[:0]
+    return shards, generator
+
+
+@pytest.mark.parametrize(("kind", "world_size"), [("decoder", 4), ("llama", 2)], ids=["decoder", "llama"])
+def test_fsdp2_sharded_deferred_model_materializes_every_rank_shard_as_the_eager_slice_at_every_shard_count(
+    kind: str, world_size: int, tmp_path: Path
+) -> None:
+    # FSDP2 shards over meshes of 1, 2 (and 4) ranks, the rows of a 2-D mesh as HSDP uses, in one start-up of the
+    # processes: starting them is most of the time. transformers' Llama redraws every weight in post_init.
+    ranks = run_ranks(f"fsdp-after-sharding-{kind}", tmp_path, world_size=world_size)
+    for size in (1, 2, 4)[: world_size.bit_length()]:
+        for rank, everything in enumerate(ranks):
+            saved = everything[size]
+            expected, generator = eager_shards(kind, size, rank % size)
+            where = f"{kind} sharded over {size}, rank {rank}"
+            for way in ("by_block", "whole"):  # block by block after sharding, and one materialize_module call
+                assert saved[way].keys() == expected.keys()
+                for name, shard in expected.items():
+                    assert torch.equal(saved[way][name], shard), f"{where}, {way}: {name}"
+                assert torch.equal(saved[f"generator_{way}"], generator), f"{where}, {way}: generator"
+            assert saved["fsdp_storage_shared"], where
+            assert all(saved["fsdp_storage_shared"].values()), f"{where}: {saved['fsdp_storage_shared']}"
+            assert not saved["deferred"], where
+            assert saved["trained_finite"], where
+
+
+def test_tensor_parallel_deferred_model_materializes_each_rank_slice_and_refuses_scattered_values(
+    tmp_path: Path,
+) -> None:
+    from tests.distributed_workers import feed_forward
+
+    torch.manual_seed(0)
+    eager = dict(feed_forward().named_parameters())
+    generator = torch.get_rng_state()
+    for rank, saved in enumerate(run_ranks("tensor-parallel", tmp_path)):
+        # Column-wise: weight and bias cut along dim 0 (19 rows each); row-wise: weight along dim 1, bias whole.
+        assert saved["placements"] == {
+            "0.weight": [("Shard", 0)],
+            "0.bias": [("Shard", 0)],
+            "2.weight": [("Shard", 1)],
+            "2.bias": [("Replicate", None)],
+        }
+        for name, parameter in eager.items():
+            ((kind, dim),) = saved["placements"][name]
+            expected = parameter.detach() if kind == "Replicate" else torch.chunk(parameter.detach(), 2, dim)[rank]
+            assert torch.equal(saved["shards"][name], expected), f"rank {rank}: {name}"
+        assert torch.equal(saved["generator"], generator)
+        assert saved["trained_finite"]
+        # With src_data_rank left at 0, rank 0's values are scattered: a collective, which a replay cannot run.
+        assert saved["refused"] is not None
+        assert saved["refused"].startswith("parameter '2.bias' (Linear) (this rank's local tensor of the DTensor)")
+        assert "its values come from c10d.broadcast_.default, a collective" in saved["refused"]
+        assert "Pass src_data_rank=None to parallelize_module or distribute_tensor" in saved["refused"]
+        assert "Or materialize_module first, then parallelize" in saved["refused"]
+        assert saved["scattered_still_deferred"]
+
+
 def test_fsdp2_mixed_precision_virtual_values_follow_the_compute_dtype_where_asked(tmp_path: Path) -> None:
     for rank in run_ranks("mixed-precision", tmp_path):
         # FSDP casts parameters to bfloat16 for forward, and leaves buffers alone.

@@ -19,6 +19,9 @@ EXPECTED = {
         "VirtualTensor rotary tables equal to a CPU build: True\n"
         "hand-rolled inv_freq buffer equal to a CPU build: False"
     ),
+    "fsdp_deferred_init.py": (
+        "every rank's shards equal the eager model's slices, bit for bit, generator included: True"
+    ),
     "simulate_fsdp_70b.py": "matches an even split of dim 0: True",
     "deferred_init.py": (
         "meta + to_empty + reset_parameters equal to eager: False\n"
