@@ -26,9 +26,15 @@ __all__: list[str] = []
 
 
 def replay(
-    record: Record, targets: Mapping[int, int], *, device: torch.device | None, to_end: bool
+    record: Record,
+    targets: Mapping[int, int],
+    labels: Mapping[int, str],
+    *,
+    device: torch.device | None,
+    to_end: bool,
 ) -> dict[int, torch.Tensor]:
-    """Run what the refs in ``targets`` (ref to its storage) need, for real, and return them by ref.
+    """Run what the refs in ``targets`` (ref to its storage) need, for real, and return them by ref; ``labels``
+    names them for messages.
 
     With ``to_end``, the default CPU generator is left where eager construction would have left it (unless the
     caller reseeded it since); otherwise the replay stops after the last operation needed and the generator is put
@@ -37,6 +43,7 @@ def replay(
     with _generator.replaying(record, device, _state_after, to_end=to_end) as walk:
         kept = _slice(record.ops, targets)
         _check_devices(record.ops, kept, device)
+        _refuse_collectives(record.ops, kept, targets, labels)
         env: dict[int, torch.Tensor] = {}
         _run_kept(record.ops, kept, targets, env, device, walk)
         if to_end:
@@ -137,6 +144,42 @@ def _check_devices(ops: list[Op], kept: Iterable[int], device: torch.device | No
                     f"{op.name} drew from a torch.Generator on {generator_device} while recording, which cannot "
                     f"draw on {device}; materialize without device= (on the devices it was recorded for)"
                 )
+
+
+def _refuse_collectives(
+    ops: list[Op], kept: Iterable[int], targets: Mapping[int, int], labels: Mapping[int, str]
+) -> None:
+    """Raise if what is needed depends on a collective (a scatter, a broadcast) that ran on fake tensors.
+
+    ``distribute_tensor`` and ``parallelize_module`` send rank 0's data to the other ranks unless given
+    ``src_data_rank=None``; on a deferred tensor, that records a collective. A replay cannot run one: each rank
+    materializes on its own, what and when it chooses, so the other ranks would not be there to answer. Every rank
+    slices alike, so all of them raise.
+    """
+    for index in sorted(kept):
+        op = ops[index]
+        if not _is_collective(op.func):
+            continue
+        # c10d's schemas do not mark the tensors they fill as written: they are results with their argument's ref.
+        filled = op.writes | {slot.storage for slot in op.slots if slot.ref in op.out_refs}
+        label = next((labels[ref] for ref, storage in targets.items() if storage in filled), None)
+        raise DeferredInitError(
+            f"{label or next(iter(labels.values()))} cannot be materialized: its values come from {op.name}, a "
+            "collective that sent data between ranks while it was deferred (distribute_tensor and "
+            "parallelize_module send rank 0's values unless given src_data_rank=None), and a replay cannot run "
+            "collectives. Pass src_data_rank=None to parallelize_module or distribute_tensor: every rank's "
+            "deferred module holds the same values, so each rank cuts its own part without communication. Or "
+            "materialize_module first, then parallelize"
+        )
+
+
+def _is_collective(func: object) -> bool:
+    return isinstance(func, torch._ops.OpOverload) and func.namespace in _COLLECTIVE_NAMESPACES
+
+
+# c10d: the collectives torch.distributed calls (scatter_, broadcast_, allreduce_, ...); the others: functional
+# collectives, which DTensor uses to redistribute.
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
 
 
 def _run(op: Op, env: dict[int, torch.Tensor], device: torch.device | None) -> None:

@@ -259,8 +259,6 @@ def _materialize(
             _add_aliases(tensors, mode, recorded_root)
             scope.extend(recorded_root.modules())
     refs = {key: _ref_of(label, tensor) for _, tensors in groups.values() for key, (label, tensor) in tensors.items()}
-    for mode, tensors in groups.values():
-        _refuse_collectives(mode, tensors, refs)
     everything = [entry for _, tensors in groups.values() for entry in tensors.values()]
     with _recurrent_weights_released(scope, everything):
         _check_swappable(everything)
@@ -269,7 +267,8 @@ def _materialize(
         try:
             for mode, tensors in groups.values():
                 targets = {refs[key]: mode.storage_of(tensor) for key, (_, tensor) in tensors.items()}
-                reals = replay(mode.record, targets, device=device, to_end=mode is root_mode)
+                labels = {refs[key]: label for key, (label, _) in tensors.items()}
+                reals = replay(mode.record, targets, labels, device=device, to_end=mode is root_mode)
                 for key, (label, tensor) in tensors.items():
                     swaps.append((label, tensor, _real_twin(label, tensor, reals[refs[key]], device)))
         except BaseException:
@@ -292,50 +291,6 @@ def _by_record(chosen: list[tuple[str, FakeTensor]]) -> dict[int, tuple[Recordin
             raise _not_recorded(label)
         groups.setdefault(id(mode), (mode, {}))[1][id(tensor)] = (label, tensor)
     return groups
-
-
-def _refuse_collectives(mode: RecordingFakeTensorMode, tensors: Chosen, refs: dict[int, int]) -> None:
-    """Raise if the chosen tensors' values depend on a collective (a scatter, a broadcast) that ran on fake tensors.
-
-    ``distribute_tensor`` and ``parallelize_module`` send rank 0's data to the other ranks unless given
-    ``src_data_rank=None``; on a deferred tensor, that records a collective. A replay cannot run one: each rank
-    materializes on its own, what and when it chooses, so the other ranks would not be there to answer, and the
-    replay would read the result before the collective finished. Found by walking the record backwards as a replay
-    does: an operation is needed when it makes a needed tensor or writes into needed storage.
-    """
-    ops = mode.record.ops
-    if not any(_is_collective(op.func) for op in ops):
-        return
-    needed_refs = {refs[key] for key in tensors}
-    needed_storages = {mode.storage_of(tensor) for _, tensor in tensors.values()}
-    for op in reversed(ops):
-        made = not needed_refs.isdisjoint(ref for ref in op.out_refs if ref is not None)
-        if not (op.pinned or made or not needed_storages.isdisjoint(op.writes)):
-            continue
-        if _is_collective(op.func):
-            # c10d's schemas do not mark the tensors they fill as written: they are results with their argument's ref.
-            filled = op.writes | {slot.storage for slot in op.slots if slot.ref in op.out_refs}
-            label = next((label for label, t in tensors.values() if mode.storage_of(t) in filled), None)
-            label = label or next(iter(tensors.values()))[0]
-            raise DeferredInitError(
-                f"{label} cannot be materialized: its values come from {op.name}, a collective that sent data "
-                "between ranks while it was deferred (distribute_tensor and parallelize_module send rank 0's "
-                "values unless given src_data_rank=None), and a replay cannot run collectives. Pass "
-                "src_data_rank=None to parallelize_module or distribute_tensor: every rank's deferred module holds "
-                "the same values, so each rank cuts its own part without communication. Or materialize_module "
-                "first, then parallelize"
-            )
-        needed_refs.update(op.in_refs)
-        needed_storages.update(op.in_storages)
-
-
-def _is_collective(func: object) -> bool:
-    return isinstance(func, torch._ops.OpOverload) and func.namespace in _COLLECTIVE_NAMESPACES
-
-
-# c10d: the collectives torch.distributed calls (scatter_, broadcast_, allreduce_, ...); the others: functional
-# collectives, which DTensor uses to redistribute.
-_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
 
 
 def _add_aliases(tensors: Chosen, mode: RecordingFakeTensorMode, root: nn.Module) -> None:
