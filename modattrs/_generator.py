@@ -220,6 +220,7 @@ class Walk:
         self.states = record.states.setdefault("" if device is None else str(device), {})
         self.live: int | None = None  # the generator holds the state after the first `live` operations
         self._resolve = resolve
+        self._scratch: dict[int, torch.Tensor] = {}  # memory the draws it runs without keeping write into
 
     def is_draw(self, index: int) -> bool:
         position = bisect.bisect_left(self.draws, index)
@@ -259,7 +260,7 @@ class Walk:
                 self.states[index] = real_state()
             if op.default_dtype is not torch.get_default_dtype():
                 torch.set_default_dtype(op.default_dtype)
-            args, kwargs = op.arguments(scratch_arguments(op, self.device), self.device)
+            args, kwargs = op.arguments(scratch_arguments(op, self.device, self._scratch), self.device)
             op.func(*args, **kwargs)
         self.live = count
 

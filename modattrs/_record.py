@@ -162,17 +162,33 @@ class Record:
         return dead
 
 
-def scratch_arguments(op: Op, device: torch.device | None) -> dict[int, torch.Tensor]:
-    """Stand-ins for an operation's fake arguments, to make it draw what it would draw: empty tensors of the same
-    layout for what it writes, ones for what it reads."""
+def scratch_arguments(
+    op: Op, device: torch.device | None, memory: dict[int, torch.Tensor] | None = None
+) -> dict[int, torch.Tensor]:
+    """Stand-ins for an operation's fake arguments, to make it draw what it would draw: tensors of the same layout
+    for what it writes, whatever they hold, and ones for what it reads. ``memory`` (position -> bytes) lends the
+    written ones memory that earlier calls grew, so that a run of draws does not allocate (and fault in) its
+    scratch memory each time."""
     tensors = {}
     for slot in op.slots:
         on = device or slot.device
-        if slot.written:
+        if not slot.written:
+            tensors[slot.index] = torch.ones(slot.size, dtype=slot.dtype, device=on)
+        elif memory is None:
             tensors[slot.index] = torch.empty_strided(slot.size, slot.stride, dtype=slot.dtype, device=on)
         else:
-            tensors[slot.index] = torch.ones(slot.size, dtype=slot.dtype, device=on)
+            tensors[slot.index] = _lent(memory, slot, on)
     return tensors
+
+
+def _lent(memory: dict[int, torch.Tensor], slot: Slot, device: torch.device) -> torch.Tensor:
+    itemsize = slot.dtype.itemsize
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(slot.size, slot.stride, strict=True))
+    needed = (extent if all(slot.size) else 0) * itemsize
+    held = memory.get(slot.index)
+    if held is None or held.device != device or held.numel() < needed:
+        held = memory[slot.index] = torch.empty(needed, dtype=torch.uint8, device=device)
+    return held[:needed].view(slot.dtype).as_strided(slot.size, slot.stride)  # from offset 0: aligned
 
 
 def draws_on_cpu(op: Op, device: torch.device | None) -> bool:
