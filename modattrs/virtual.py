@@ -443,10 +443,13 @@ class VirtualTensor(OwnedAttribute):
             )
             state_dict[key] = ref  # the load fails; meanwhile torch copies this key onto itself
             return
-        if self.persist:
-            state_dict.setdefault(key, ref)
-        else:
+        if not self.persist:
             state_dict.pop(key, None)
+        elif not isinstance(incoming, Tensor):
+            state_dict.setdefault(key, ref)
+        elif self._dtype is None and not _can_follow(incoming.dtype):
+            # A dtype this attribute cannot follow (an integer one): it keeps its own, and takes the device.
+            state_dict[key] = incoming.new_empty(0, dtype=ref.dtype)
 
     def _on_state_dict(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
         ref = owner._buffers.get(self._ref_name)

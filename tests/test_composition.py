@@ -1285,6 +1285,11 @@ class Composition(RuleBasedStateMachine):
                 if obj.persistent:
                     if key not in sd:
                         sd[key] = itself  # type: ignore[assignment]
+                    elif obj.mode != "fixed" and not (sd[key].dtype.is_floating_point or sd[key].dtype.is_complex):
+                        # The docs: a dtype the attribute cannot follow is not taken; the device is.
+                        assert obj.ref is not None
+                        assert obj.ref.t is not None
+                        sd[key] = torch.empty(0, dtype=obj.ref.t.dtype, device=sd[key].device)
                 else:
                     sd.pop(key, None)
                 continue

@@ -779,3 +779,20 @@ def test_a_deleted_attribute_of_a_copied_module_raises_once_a_newer_attribute_to
     with pytest.raises(ReferenceError, match="'pos' is detached"):
         held.value
     assert torch.equal(original.pos.value, torch.arange(4) * 2.0)
+
+
+@pytest.mark.parametrize("checkpoint_device", ["meta", "cpu"])
+def test_a_checkpoint_giving_a_following_reference_an_integer_dtype_leaves_it_its_own(checkpoint_device: str) -> None:
+    # The owner holds no tensor with data after a meta load, so nothing else could tell the reference a dtype:
+    # it took int64 from the checkpoint, and every value was computed in int64 without an error.
+    with torch.device("meta"):
+        m = Positions(persist=True)
+    checkpoint = {"scale": torch.tensor(2.0, device="meta"), "_pos_ref": torch.empty(0, dtype=torch.int64)}
+    checkpoint["_pos_ref"] = checkpoint["_pos_ref"].to(checkpoint_device)
+    m.load_state_dict(checkpoint, assign=True)
+    assert m.pos.dtype == torch.float32
+    assert m.pos.device == torch.device(checkpoint_device)
+    m.to_empty(device="cpu")
+    with torch.no_grad():
+        m.scale.fill_(0.5)
+    assert torch.equal(m.pos.value, torch.tensor([0.0, 0.5, 1.0, 1.5]))
