@@ -33,7 +33,7 @@ def paired_ns(
     timers = timeit.Timer(fn, timer=time.thread_time), timeit.Timer(baseline, timer=time.thread_time)
     runs: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeat):
-        for timer, times in zip(timers, runs):
+        for timer, times in zip(timers, runs, strict=True):
             times.append(timer.timeit(number))
     return statistics.median(runs[0]) / number * 1e9, statistics.median(runs[1]) / number * 1e9
 

@@ -32,6 +32,10 @@ open_scopes = 0
 _scopes_lock = threading.Lock()
 _local = threading.local()
 
+# Looked up once, for the hot path of read(). dynamo knows is_compiling by the function object, whatever its name.
+_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack  # how many dispatch modes are active
+
 
 @contextlib.contextmanager
 def cached() -> Iterator[None]:
@@ -95,19 +99,18 @@ def read(attribute: Cached, owner: nn.Module, ref: Tensor | None) -> Tensor:
        state; otherwise computed, and kept where it may be.
     """
     cache = attribute._cache
-    if cache is not None and type(ref) is Tensor and not open_scopes:
-        # cache.entry only ever holds a value read outside every fake mode. The same reference object means the
-        # same device and, unless dtype_from decides it, dtype: conversions replace the reference, and a load that
-        # swaps its contents in place clears the cache. A fixed dtype changes only through the attribute, which
-        # then clears the cache.
+    if cache is not None and not open_scopes:
+        # cache.entry only ever holds a value read outside every fake mode, of a reference that is not fake. The
+        # same reference object means the same device and, unless dtype_from decides it, dtype: conversions replace
+        # the reference, and a load that swaps its contents in place clears the cache. A fixed dtype changes only
+        # through the attribute, which then clears the cache.
         entry = cache.entry
         if (
             entry is not None
             and entry.ref is ref
-            and entry.plain
-            and attribute._dtype_from is None
-            and not torch.compiler.is_compiling()
-            and not torch._C._len_torch_dispatch_stack()
+            and entry.hot
+            and not _compiling()
+            and not _dispatch_modes()
             and (not entry.dependencies or entry.unchanged(owner))
         ):
             return entry.value
@@ -140,9 +143,9 @@ def read(attribute: Cached, owner: nn.Module, ref: Tensor | None) -> Tensor:
             # value read inside a fake mode: it would keep the mode alive, and with it the weak references the
             # mode holds to the module's tensors, which torch.utils.swap_tensors (Module.to in swap mode) refuses.
             if not keeps_graph(value) and (mode is None or isinstance(ref, FakeTensor)):
-                cache.put(mode, Entry(ref, dtype, mode, snapshot, value), generation)
+                cache.put(mode, Entry(ref, dtype, mode, snapshot, value, attribute._dtype_from is None), generation)
     if values is not None:
-        values[id(attribute)] = Entry(ref, dtype, mode, snapshot, value)
+        values[id(attribute)] = Entry(ref, dtype, mode, snapshot, value, attribute._dtype_from is None)
     return value
 
 
@@ -175,10 +178,16 @@ class Entry:
     reused. The dtype is kept too, for fixed dtypes and ``dtype_from``. See :func:`snapshot_of` for dependencies.
     """
 
-    __slots__ = ("dependencies", "dtype", "grad", "impl", "inference", "mode", "plain", "ref", "value")
+    __slots__ = ("dependencies", "dtype", "grad", "hot", "impl", "inference", "mode", "plain", "ref", "value")
 
     def __init__(
-        self, ref: Tensor, dtype: torch.dtype, mode: object, dependencies: list[Dependency], value: Tensor
+        self,
+        ref: Tensor,
+        dtype: torch.dtype,
+        mode: object,
+        dependencies: list[Dependency],
+        value: Tensor,
+        ref_implies_dtype: bool,
     ) -> None:
         self.ref = ref
         self.impl = ref._cdata  # swap_tensors keeps the object and replaces this
@@ -191,6 +200,8 @@ class Entry:
         # Computed with grad enabled and outside inference mode (and, having been kept, with no graph): valid in
         # any grad mode. A value computed under no_grad or in inference mode is reused only in that mode.
         self.plain = self.grad and not self.inference
+        # What the hot path of read() may serve, checking the reference object and the dependencies only.
+        self.hot = self.plain and mode is None and ref_implies_dtype
 
     def unchanged(self, owner: nn.Module) -> bool:
         """Whether the dependencies are as they were."""
