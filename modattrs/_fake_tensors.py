@@ -31,7 +31,6 @@ from torch._subclasses.fake_tensor import (
     FakeTensorConfig,
     FakeTensorConverter,
     FakeTensorMode,
-    in_kernel_invocation_manager,
 )
 
 from modattrs import _cuda_guard
@@ -121,8 +120,16 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             if first.constant is not None:
                 _forget_constant(self, first)
             device = first.device
-            with in_kernel_invocation_manager(self):  # the fake tensor is seen as the meta tensor it is
-                meta = func(*args)
+            # What in_kernel_invocation_manager does, without a generator: the fake tensor is seen as the meta
+            # tensor it is. Checked on torch 2.13.
+            was_in_kernel = self.in_kernel_invocation
+            with torch._C._DisableTorchDispatch(), torch._C._PreserveDispatchKeyGuard():
+                self.in_kernel_invocation = True
+                torch._C._set_meta_in_tls_dispatch_include(True)
+                try:
+                    meta = func(*args)
+                finally:
+                    self.in_kernel_invocation = was_in_kernel
             return self._wrap(meta, device)
         factory = _FACTORIES.get(func)
         if factory is not None and kwargs.get("layout") in (None, torch.strided):
@@ -140,7 +147,7 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         exporting, in torch's fake tensor debug mode, or if torch sets an attribute to anything else, it calls the
         constructor. Checked on torch 2.13.
         """
-        device = FakeTensor._normalize_fake_device(device)
+        device = _normalized(device)
         attributes = self._fake_attributes.get(device)
         if attributes is None or FakeTensorConfig.debug or torch.compiler.is_exporting():
             fake = FakeTensor(self, meta, device)
@@ -161,6 +168,27 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         state["fake_mode"] = self
         assert isinstance(made, FakeTensor)
         return made
+
+
+#: Devices and what FakeTensor._normalize_fake_device makes of them, where that cannot change.
+_NORMALIZED: dict[torch.device, torch.device] = {}
+
+
+def _normalized(device: torch.device) -> torch.device:
+    """``FakeTensor._normalize_fake_device(device)``, remembered where its answer cannot change: a device with an
+    index (``cuda:1`` stays ``cuda:1``; the GPU context it initializes stays initialized), a CPU or meta device, and
+    ``cuda`` on a build without CUDA, which is ``cuda:0`` for good."""
+    known = _NORMALIZED.get(device)
+    if known is not None:
+        return known
+    normalized = FakeTensor._normalize_fake_device(device)
+    if (
+        device.index is not None
+        or device.type in ("cpu", "meta")
+        or (device.type == "cuda" and not _cuda_guard.cuda_built())
+    ):
+        _NORMALIZED[device] = normalized
+    return normalized
 
 
 def check_device(device: object) -> None:
