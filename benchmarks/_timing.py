@@ -1,10 +1,17 @@
 """What the benchmark scripts share: medians of repeated timeit runs in one process, peak memory, and the
-Llama-2-7B configuration (keyword arguments of ``transformers.LlamaConfig``)."""
+Llama-2-7B configuration (keyword arguments of ``transformers.LlamaConfig``).
+
+Times are the CPU time of the measuring thread (``time.thread_time``), not the wall clock: on a machine that other
+processes keep busy, the time this process spends waiting for a core does not count. What they do to the caches
+it shares with them still does; :func:`paired_ns` puts a measurement and its baseline under the same conditions by
+alternating their runs.
+"""
 
 from __future__ import annotations
 
 import resource
 import statistics
+import time
 import timeit
 from collections.abc import Callable
 
@@ -12,8 +19,23 @@ from collections.abc import Callable
 def median_ns(fn: Callable[[], object], number: int, repeat: int = 9) -> float:
     """Median time of one call of ``fn`` in nanoseconds, over ``repeat`` runs of ``number`` calls."""
     fn()  # warm up
-    runs = timeit.repeat(fn, number=number, repeat=repeat)
+    runs = timeit.Timer(fn, timer=time.thread_time).repeat(number=number, repeat=repeat)
     return statistics.median(runs) / number * 1e9
+
+
+def paired_ns(
+    fn: Callable[[], object], baseline: Callable[[], object], number: int, repeat: int = 21
+) -> tuple[float, float]:
+    """Median times of one call of ``fn`` and of ``baseline`` in nanoseconds, their runs of ``number`` calls
+    alternating ``repeat`` times."""
+    fn()
+    baseline()
+    timers = timeit.Timer(fn, timer=time.thread_time), timeit.Timer(baseline, timer=time.thread_time)
+    runs: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeat):
+        for timer, times in zip(timers, runs, strict=True):
+            times.append(timer.timeit(number))
+    return statistics.median(runs[0]) / number * 1e9, statistics.median(runs[1]) / number * 1e9
 
 
 def report(label: str, measured: float, baseline: float, target: float | None = None) -> None:

@@ -7,8 +7,11 @@ changes by any route), the same dtype, the same grad and inference modes, the sa
 declared dependencies. The state is compared field by field.
 
 A value computed inside a fake mode is kept apart from the value computed outside every fake mode: reading in a
-fake mode never replaces, and is never served, the real value. (Only fake modules keep values read in a fake mode
-lastingly: see ``VirtualTensor._value_slowly``.)
+fake mode never replaces, and is never served, the real value. Only fake modules keep values read in a fake mode
+lastingly.
+
+:func:`read` makes every decision of a read that is not a plain computation: compiling or not, which fake mode the
+read belongs to, and which entry, if any, serves it.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 __all__ = ["cached"]
 
@@ -27,6 +31,10 @@ __all__ = ["cached"]
 open_scopes = 0
 _scopes_lock = threading.Lock()
 _local = threading.local()
+
+# Looked up once, for the hot path of read(). dynamo knows is_compiling by the function object, whatever its name.
+_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack  # how many dispatch modes are active
 
 
 @contextlib.contextmanager
@@ -59,6 +67,109 @@ def scope() -> dict[int, Entry] | None:
     return values
 
 
+class Cached(Protocol):
+    """What :func:`read` needs of an attribute (:class:`~modattrs.VirtualTensor`)."""
+
+    _cache: Cache | None  # the lasting cache, if the attribute keeps its value
+    _depends_on: tuple[str, ...]
+    _dtype_from: str | None  # set when the dtype can change while the reference stays the same
+    _name: str
+
+    def _compute(self, owner: nn.Module, ref: Tensor) -> Tensor: ...
+
+    def _value_dtype(self, owner: nn.Module, ref: Tensor) -> torch.dtype: ...
+
+    def _reference_gone(self) -> RuntimeError: ...
+
+
+def read(attribute: Cached, owner: nn.Module, ref: Tensor | None) -> Tensor:
+    """The value of ``attribute`` for a read of its reference buffer ``ref``, computed or served from a cache.
+
+    The decisions, in order:
+
+    1. A plain reference, a value kept from a read outside every fake mode, no compilation, no dispatch mode, no
+       ``cached()`` block, unchanged dependencies: that value (the hot path).
+    2. Compiling: computed, in the graph. A kept tensor would be lifted as a constant, stale after any change; and
+       dynamo cannot trace the mode lookups below.
+    3. The fake mode the read belongs to: the active one, or the reference's own when none is active (a fake
+       module read outside its mode is computed in it, as the same state). Under another kind of dispatch mode
+       (export, a counter), or with a fake mode that is not the reference's own (torch refuses to mix them and
+       says so), the value is computed and not kept.
+    4. An entry of this thread's ``cached()`` block, then of the attribute's lasting cache, computed in the same
+       state; otherwise computed, and kept where it may be.
+    """
+    cache = attribute._cache
+    if cache is not None and not open_scopes:
+        # cache.entry only ever holds a value read outside every fake mode, of a reference that is not fake. The
+        # same reference object means the same device and, unless dtype_from decides it, dtype: conversions replace
+        # the reference, and a load that swaps its contents in place clears the cache. A fixed dtype changes only
+        # through the attribute, which then clears the cache.
+        entry = cache.entry
+        if (
+            entry is not None
+            and entry.ref is ref
+            and entry.hot
+            and not _compiling()
+            and not _dispatch_modes()
+            and (not entry.dependencies or entry.unchanged(owner))
+        ):
+            return entry.value
+    if ref is None:
+        raise attribute._reference_gone()
+    if torch.compiler.is_compiling():
+        return attribute._compute(owner, ref)
+    mode, enter, keep = _modes_of(ref)
+    values = scope()
+    if not keep or (cache is None and values is None):
+        return _compute_in(enter, attribute, owner, ref)
+    dtype = attribute._value_dtype(owner, ref)
+    if values is not None:
+        entry = values.get(id(attribute))
+        if entry is not None and entry.current(owner, ref, dtype, mode):
+            return entry.value
+    # Taken before computing: a dependency changed meanwhile makes the entry stale, never wrongly current.
+    snapshot = snapshot_of(owner, attribute._depends_on, attribute._name)
+    if cache is None:
+        value = _compute_in(enter, attribute, owner, ref)
+    else:
+        with cache.lock:  # concurrent readers compute once
+            entry = cache.get(mode)
+            if entry is not None and entry.current(owner, ref, dtype, mode):
+                return entry.value
+            generation = cache.generation
+            value = _compute_in(enter, attribute, owner, ref)
+            # A value with an autograd graph is never kept: backward frees the graph. Nor one whose cache was
+            # cleared while it was computed (by the materializer itself, or another thread). Nor a real module's
+            # value read inside a fake mode: it would keep the mode alive, and with it the weak references the
+            # mode holds to the module's tensors, which torch.utils.swap_tensors (Module.to in swap mode) refuses.
+            if not keeps_graph(value) and (mode is None or isinstance(ref, FakeTensor)):
+                cache.put(mode, Entry(ref, dtype, mode, snapshot, value, attribute._dtype_from is None), generation)
+    if values is not None:
+        values[id(attribute)] = Entry(ref, dtype, mode, snapshot, value, attribute._dtype_from is None)
+    return value
+
+
+def _modes_of(ref: Tensor) -> tuple[FakeTensorMode | None, FakeTensorMode | None, bool]:
+    """For a read of ``ref``: the fake mode it belongs to (None: outside every fake mode), the mode to enter to
+    compute it (None: the current one), and whether its value may be kept."""
+    own = ref.fake_mode if isinstance(ref, FakeTensor) else None
+    if not torch._C._len_torch_dispatch_stack():
+        return own, own, True  # a fake reference read outside its mode: in its mode, as the same state
+    active = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if active is None:  # another kind of dispatch mode drives
+        return None, own, False
+    if own is not None and active is not own:  # another fake mode: computed as it is, for torch to refuse
+        return active, None, False
+    return active, None, True
+
+
+def _compute_in(mode: FakeTensorMode | None, attribute: Cached, owner: nn.Module, ref: Tensor) -> Tensor:
+    if mode is None:
+        return attribute._compute(owner, ref)
+    with mode:
+        return attribute._compute(owner, ref)
+
+
 class Entry:
     """A value and what it was computed from.
 
@@ -67,10 +178,16 @@ class Entry:
     reused. The dtype is kept too, for fixed dtypes and ``dtype_from``. See :func:`snapshot_of` for dependencies.
     """
 
-    __slots__ = ("dependencies", "dtype", "grad", "impl", "inference", "mode", "plain", "ref", "value")
+    __slots__ = ("dependencies", "dtype", "grad", "hot", "impl", "inference", "mode", "plain", "ref", "value")
 
     def __init__(
-        self, ref: Tensor, dtype: torch.dtype, mode: object, dependencies: list[Dependency], value: Tensor
+        self,
+        ref: Tensor,
+        dtype: torch.dtype,
+        mode: object,
+        dependencies: list[Dependency],
+        value: Tensor,
+        ref_implies_dtype: bool,
     ) -> None:
         self.ref = ref
         self.impl = ref._cdata  # swap_tensors keeps the object and replaces this
@@ -83,6 +200,8 @@ class Entry:
         # Computed with grad enabled and outside inference mode (and, having been kept, with no graph): valid in
         # any grad mode. A value computed under no_grad or in inference mode is reused only in that mode.
         self.plain = self.grad and not self.inference
+        # What the hot path of read() may serve, checking the reference object and the dependencies only.
+        self.hot = self.plain and mode is None and ref_implies_dtype
 
     def unchanged(self, owner: nn.Module) -> bool:
         """Whether the dependencies are as they were."""

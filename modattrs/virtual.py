@@ -10,11 +10,10 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from modattrs import _cache
 from modattrs._attribute import OwnedAttribute, own_attributes, set_persistent
-from modattrs._cache import Cache, Entry, keeps_graph, snapshot_of
+from modattrs._cache import Cache
 
 __all__ = ["VirtualTensor", "sync_references"]
 
@@ -65,7 +64,17 @@ class VirtualTensor(OwnedAttribute):
     registered on the owner is removed.
     """
 
-    __slots__ = ("_cache", "_depends_on", "_dtype", "_dtype_from", "_function", "_method", "_ref_name", "_ref_seen")
+    __slots__ = (
+        "_cache",
+        "_depends_on",
+        "_dtype",
+        "_dtype_from",
+        "_function",
+        "_method",
+        "_plain_ref",
+        "_ref_name",
+        "_ref_seen",
+    )
 
     LinkedAttributes = VirtualTensorAttributes
     _suffixes = ("ref",)
@@ -78,6 +87,7 @@ class VirtualTensor(OwnedAttribute):
     _depends_on: tuple[str, ...]
     _ref_name: str
     _ref_seen: Tensor | None  # the last reference found empty: the hot path checks each reference once
+    _plain_ref: Tensor | None  # _ref_seen, when value computes it by itself: plain, uncached, no dtype_from
 
     def __init__(
         self,
@@ -118,7 +128,7 @@ class VirtualTensor(OwnedAttribute):
         self._depends_on = depends_on
         self._cache = Cache() if cache else None
         self._ref_name = ref_name
-        self._ref_seen = None
+        self._ref_seen = self._plain_ref = None
         self._attach(owner, lambda: owner.register_buffer(ref_name, ref, persistent=bool(persist)))
 
     @classmethod
@@ -169,96 +179,37 @@ class VirtualTensor(OwnedAttribute):
         if owner is None:
             raise self._owner_gone()
         ref = owner._buffers.get(self._ref_name)
-        # The hit path, kept short; the slow path checks everything before computing.
-        if type(ref) is Tensor and not _cache.open_scopes:
-            cache = self._cache
-            if cache is None:
-                return self._compute(owner, ref)
-            # cache.entry only ever holds a value read outside every fake mode. The same reference object means the
-            # same device and, for an attribute following the module, dtype: conversions replace it, and a load
-            # that swaps its contents in place clears the cache (_on_loaded). A fixed dtype changes only through
-            # this attribute, which then clears the cache; dtype_from needs the check.
-            entry = cache.entry
-            if (
-                entry is not None
-                and entry.ref is ref
-                and entry.plain
-                and self._dtype_from is None
-                and not torch.compiler.is_compiling()
-                and not torch._C._len_torch_dispatch_stack()
-                and (not entry.dependencies or entry.unchanged(owner))
-            ):
-                return entry.value
-        return self._value_slowly(owner, ref)
-
-    def _value_slowly(self, owner: nn.Module, ref: Tensor | None) -> Tensor:
-        """``value`` for fake (or missing) references, cached attributes, and reads inside ``modattrs.cached()``."""
-        if ref is None:
-            raise self._reference_gone()
-        if torch.compiler.is_compiling():
-            # Compute in the graph: a cached tensor would be lifted as a constant, stale after any change. And
-            # dynamo cannot trace the mode lookups below.
-            return self._compute(owner, ref)
-        own_mode = ref.fake_mode if isinstance(ref, FakeTensor) else None
-        if torch._C._len_torch_dispatch_stack():
-            mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
-            if mode is None:  # another dispatch mode (export, a counter) drives: no caching
-                return self._compute_in(own_mode, owner, ref)
-            if own_mode is not None and mode is not own_mode:
-                return self._compute(owner, ref)  # another fake mode: torch refuses to mix, and says so
-            enter = None
-        else:
-            mode = enter = own_mode  # a fake reference read outside its mode: in its mode, as the same state
-        scope = _cache.scope()
-        if self._cache is None and scope is None:  # nothing is kept: no dtype or snapshot to take
-            return self._compute_in(enter, owner, ref)
-        dtype = self._dtype or self._dtype_from_dtype(owner) or ref.dtype
-        if scope is not None:
-            entry = scope.get(id(self))
-            if entry is not None and entry.current(owner, ref, dtype, mode):
-                return entry.value
-        # Taken before computing: a dependency changed meanwhile makes the entry stale, never wrongly current.
-        snapshot = snapshot_of(owner, self._depends_on, self._name)
-        if self._cache is None:
-            value = self._compute_in(enter, owner, ref)
-        else:
-            with self._cache.lock:  # concurrent readers compute once
-                entry = self._cache.get(mode)
-                if entry is not None and entry.current(owner, ref, dtype, mode):
-                    return entry.value
-                generation = self._cache.generation
-                value = self._compute_in(enter, owner, ref)
-                # A value with an autograd graph is never kept: backward frees the graph. Nor one whose cache was
-                # cleared while it was computed (by the materializer itself, or another thread). Nor a real module's
-                # value read inside a fake mode: it would keep the mode alive, and with it the weak references the
-                # mode holds to the module's tensors, which torch.utils.swap_tensors (Module.to in swap mode) refuses.
-                if not keeps_graph(value) and (mode is None or own_mode is not None):
-                    self._cache.put(mode, Entry(ref, dtype, mode, snapshot, value), generation)
-        if scope is not None:
-            scope[id(self)] = Entry(ref, dtype, mode, snapshot, value)
-        return value
-
-    def _compute_in(self, mode: FakeTensorMode | None, owner: nn.Module, ref: Tensor) -> Tensor:
-        if mode is None:
-            return self._compute(owner, ref)
-        with mode:
-            return self._compute(owner, ref)
+        if ref is not None and ref is self._plain_ref and not _cache.open_scopes:
+            # The hot path: nothing kept, nothing to decide (see _compute, which sets _plain_ref).
+            dtype = self._dtype or ref.dtype  # dtypes are truthy: this reads "the fixed dtype, if any"
+            device = ref.device
+            result = self._function(owner, dtype, device)
+            if type(result) is Tensor and result.dtype is dtype and result.device == device:
+                return result
+            return self._converted(result, dtype, device)
+        return _cache.read(self, owner, ref)
 
     def _compute(self, owner: nn.Module, ref: Tensor) -> Tensor:
-        dtype = self._dtype or ref.dtype  # dtypes are truthy: this reads "the fixed dtype, if any"
-        if self._dtype_from is not None:
-            dtype = _tensor_at(owner, self._dtype_from).dtype
+        dtype = self._value_dtype(owner, ref)
         device = ref.device
         if ref is not self._ref_seen:  # the reference changed: make sure it is one, not a namesake's tensor
             if ref.numel():
                 raise self._reference_taken(owner, ref)
             if not torch.compiler.is_compiling():  # a side effect that export would refuse
                 self._ref_seen = ref
+                # value computes an uncached attribute with a plain reference by itself from now on; dtype_from
+                # is left to _compute, which reads the dtype.
+                plain = type(ref) is Tensor and self._cache is None and self._dtype_from is None
+                self._plain_ref = ref if plain else None
         result = self._function(owner, dtype, device)
         # The common case in one test: a plain tensor (isinstance is dearer) of the dtype (singletons: `is` is
         # exact) and device (dearer to compare, so last) asked for.
         if type(result) is Tensor and result.dtype is dtype and result.device == device:
             return result
+        return self._converted(result, dtype, device)
+
+    def _converted(self, result: object, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The materializer's ``result``, checked to be a tensor and converted to ``dtype`` and ``device``."""
         if not isinstance(result, Tensor):
             raise TypeError(
                 f"the materializer {self._materializer_name()} of VirtualTensor {self._name!r} returned "
@@ -268,8 +219,11 @@ class VirtualTensor(OwnedAttribute):
             result = result.to(device=device, dtype=dtype)
         return result
 
-    def _dtype_from_dtype(self, owner: nn.Module) -> torch.dtype | None:
-        return None if self._dtype_from is None else _tensor_at(owner, self._dtype_from).dtype
+    def _value_dtype(self, owner: nn.Module, ref: Tensor) -> torch.dtype:
+        """The dtype of the value for a read of ``ref``: fixed, taken from ``dtype_from``, or the reference's."""
+        if self._dtype_from is not None:
+            return _tensor_at(owner, self._dtype_from).dtype
+        return self._dtype or ref.dtype
 
     @property
     def cached(self) -> bool:
@@ -407,7 +361,7 @@ class VirtualTensor(OwnedAttribute):
 
     def _fields(self) -> dict[str, Any]:
         fields = super()._fields()
-        fields["_ref_seen"] = None
+        fields["_ref_seen"] = fields["_plain_ref"] = None
         if self._method is not None:
             fields["_function"] = None  # looked up again on the owner's class: nothing to pickle but a name
         return fields
