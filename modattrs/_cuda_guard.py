@@ -7,6 +7,11 @@ autograd is involved. The cure is to register torch's own ``FakeGuardImpl<CUDA>`
 C++: they are compiled at the first use of fake CUDA and cached by torch's extension loader under a name that
 includes the torch version. ``_torch_changes`` registers it, and then replaces ``torch.autograd.backward`` and
 ``grad`` by versions that simulate backward passes over spoofed-CUDA graphs (see ``_fake_backward``).
+
+A CUDA build on a machine without a GPU or a driver (what ``pip install torch`` gives on Linux) has its guard,
+but its bindings call ``torch.cuda._lazy_init()`` before moving even a fake tensor to CUDA, once per process,
+and that fails without a driver: :func:`require` has that first call made while torch's Python initialization
+returns at once, so the bindings count CUDA as initialized, as the guard's C++ does on CPU-only builds.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import threading
 
 import torch
 
-__all__: list[str] = []
+from modattrs._spoofed_cuda import MAX_DEVICES, real_device_count
+
+__all__ = ["MAX_DEVICES"]
 
 _SOURCE = r"""
 #include <pybind11/pybind11.h>
@@ -46,17 +53,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-#: The devices torch's fake guard knows: cuda:0 to cuda:7.
-MAX_DEVICES = 8
-
 _lock = threading.Lock()
 _failure: str | None = None
 _ready = False
 
 
 def ready() -> bool:
-    """Whether fake CUDA tensors can be used in this process: a CUDA build, or the guard is registered."""
-    return _ready or cuda_built()
+    """Whether fake CUDA tensors can be used in this process: a real GPU, or fake CUDA is set up."""
+    return _ready or gpu_present()
 
 
 @functools.cache  # fixed for the build; asked on every fake dispatch with a device
@@ -65,21 +69,36 @@ def cuda_built() -> bool:
     return bool(torch.backends.cuda.is_built())  # type: ignore[no-untyped-call]
 
 
+@functools.cache  # fixed for the process: CUDA counts its devices once
+def gpu_present() -> bool:
+    """Whether this machine has a GPU that torch can use (so nothing about CUDA needs to be faked)."""
+    return cuda_built() and real_device_count() > 0
+
+
 def require() -> None:
     """Make sure fake CUDA tensors can be used in this process; raise a RuntimeError saying why not."""
     global _ready, _failure
-    if _ready or cuda_built():
-        return  # a CUDA build registers torch's fake guard itself when it finds no GPU
+    if _ready or gpu_present():
+        return
     with _lock:
         if _ready:
             return
         if _failure is None:
             try:
-                _build_and_register()
+                if cuda_built():
+                    _initialize_bindings_without_a_driver()
+                else:
+                    _build_and_register()
                 _ready = True
                 return
             except Exception as error:  # the compiler's and the loader's errors vary; all mean "not available"
                 _failure = f"{type(error).__name__}: {error}"
+        if cuda_built():
+            raise RuntimeError(
+                f"fake CUDA could not be set up on this CUDA build of torch without a GPU ({_failure}); build the "
+                "model on the meta device (with torch.device('meta')) to inspect it, or make a fake CPU twin with "
+                "modattrs.fake.fake_copy(model)."
+            )
         raise RuntimeError(
             "fake CUDA needs a device guard that this CPU-only build of torch lacks; modattrs compiles one at first "
             f"use, and that failed ({_failure}). Install a C++ compiler (g++) and ninja (pip install ninja) and "
@@ -87,6 +106,28 @@ def require() -> None:
             "build the model on the meta device (with torch.device('meta')) to inspect it, or make a fake CPU "
             "twin with modattrs.fake.fake_copy(model)."
         )
+
+
+def _initialize_bindings_without_a_driver() -> None:
+    """Have torch's C++ bindings count CUDA as initialized, on a CUDA build without a GPU, for good.
+
+    Before moving a tensor to CUDA (``.to``, ``.cuda()``, ``Module.to``), a binding calls ``torch.cuda._lazy_init``
+    once per process, and only marks CUDA initialized if that returns: without a driver, it raises "Found no
+    NVIDIA driver", fake tensor or not. One fake tensor is moved while torch's own re-entrance flag
+    (``torch.cuda._tls.is_initializing``, private; there is no public way to do this, checked on torch 2.6, 2.8,
+    2.13 and 2.15) makes ``_lazy_init`` return at once in this thread. Python's ``torch.cuda`` stays uninitialized:
+    its functions still say there is no driver, and real CUDA tensors still cannot be made.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        probe = torch.empty(0)
+    state = torch.cuda._tls
+    state.is_initializing = True
+    try:
+        probe.to("cuda:0")
+    finally:
+        del state.is_initializing
 
 
 def _build_and_register() -> None:

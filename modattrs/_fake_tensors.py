@@ -13,8 +13,11 @@
 * A detached fake tensor holds no constant (the values torch keeps for small tensors made from Python numbers),
   and the tensors it shares storage with forget theirs: torch would memoize it (a weak reference again), and
   ``nn.Parameter(torch.tensor(2.0))`` could then not be moved.
-* On a build of torch without CUDA, CUDA devices are refused until the fake CUDA device guard is registered (see
-  ``_cuda_guard``): without it, some operations fail and autograd aborts the process.
+* On a machine without a GPU, CUDA devices are refused until fake CUDA is set up (see ``_cuda_guard``): without
+  it, some operations fail, and on a build of torch without CUDA autograd aborts the process. Devices past the
+  spoofed device count are refused.
+* Whether torch may make real tensors on the device is asked of torch's own ``torch.cuda.is_available``, not of
+  the spoofed one (see ``_spoofed_cuda``).
 
 The process-wide changes that fake mode needs are made by ``_torch_changes``.
 """
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConverter, FakeTensorMode, in_kernel_invocation_manager
 
-from modattrs import _cuda_guard
+from modattrs import _cuda_guard, _spoofed_cuda
 
 __all__: list[str] = []
 
@@ -60,7 +63,10 @@ class _Converter(FakeTensorConverter):
         pytype: type[torch.Tensor] | None = None,
         dispatch_keys: torch.DispatchKeySet | None = None,
     ) -> FakeTensor:
-        # `t` is a fresh meta tensor (torch's own comment says so), so there is nothing to look up.
+        # `t` is a fresh meta tensor (torch's own comment says so), so there is nothing to look up. torch before 2.7
+        # passes neither `pytype` nor `dispatch_keys`, and its FakeTensor takes neither.
+        if pytype is None and dispatch_keys is None:
+            return FakeTensor(fake_mode, t, device)
         return FakeTensor(fake_mode, t, device, pytype=pytype, dispatch_keys=dispatch_keys)
 
 
@@ -73,6 +79,13 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ModattrsFakeTensorMode:
         return self
+
+    @property
+    def avoid_device_init(self) -> bool:
+        # torch asks torch.cuda.is_available() whether it may make real tensors on the device (constants of
+        # torch.tensor(...)); inside a spoofed block that answers for the spoofed GPU, so the real answer is asked.
+        with _spoofed_cuda.truthful():
+            return bool(super().avoid_device_init)
 
     def opaque_call(
         self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], target: FakeTensor
@@ -110,8 +123,9 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
 
 
 def check_device(device: object) -> None:
-    """Refuse CUDA devices that a build of torch without CUDA cannot fake."""
-    if device is None or _cuda_guard.cuda_built():
+    """Refuse CUDA devices that cannot be faked: any, until fake CUDA is set up on a machine without a GPU, and
+    those past the spoofed device count."""
+    if device is None:
         return
     device = torch.device(device)  # type: ignore[call-overload]
     assert isinstance(device, torch.device)
@@ -120,11 +134,15 @@ def check_device(device: object) -> None:
     if not _cuda_guard.ready():
         raise RuntimeError(
             f"fake tensors on {device} need modattrs.fake.fake_mode(fake_cuda=True) (or fake_copy to a CUDA device) "
-            "first, on this build of torch, which has no CUDA"
+            "first, on this machine, which has no GPU"
         )
-    if device.index is not None and device.index >= _cuda_guard.MAX_DEVICES:
+    limit = _spoofed_cuda.device_limit()
+    if device.index is not None and device.index >= limit and not _cuda_guard.gpu_present():
+        if limit == _spoofed_cuda.MAX_DEVICES:
+            raise ValueError(f"{device}: torch's fake CUDA device guard knows cuda:0 to cuda:{limit - 1} only")
         raise ValueError(
-            f"{device}: torch's fake CUDA device guard knows cuda:0 to cuda:{_cuda_guard.MAX_DEVICES - 1} only"
+            f"{device}: this fake_mode spoofs {limit} CUDA devices, cuda:0 to cuda:{limit - 1}; ask for more with "
+            f"fake_mode(fake_cuda=True, device_count=N), up to {_spoofed_cuda.MAX_DEVICES}"
         )
 
 
