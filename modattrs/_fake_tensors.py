@@ -16,8 +16,8 @@
 * On a machine without a GPU, CUDA devices are refused until fake CUDA is set up (see ``_cuda_guard``): without
   it, some operations fail, and on a build of torch without CUDA autograd aborts the process. Devices past the
   spoofed device count are refused.
-* Whether torch may make real tensors on the device is asked of torch's own ``torch.cuda.is_available``, not of
-  the spoofed one (see ``_spoofed_cuda``).
+* torch's code below the mode asks torch's own ``torch.cuda`` functions whether it may make real CUDA tensors, not
+  the spoofed ones (see ``_spoofed_cuda``).
 
 The process-wide changes that fake mode needs are made by ``_torch_changes``.
 """
@@ -101,6 +101,14 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
+        if _spoofed_cuda.current() is None:
+            return self._dispatch(func, types, args, kwargs)
+        # Below the dispatcher is torch's code, which asks torch.cuda.is_available() whether it may make real CUDA
+        # tensors (torch 2.8 does, for every new fake CUDA tensor; 2.13 does not): it gets torch's own answers.
+        with _spoofed_cuda.truthful():
+            return self._dispatch(func, types, args, kwargs)
+
+    def _dispatch(self, func: Any, types: Sequence[type], args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> Any:
         first = args[0] if args else None
         if type(first) is FakeTensor and first.fake_mode is not self and isinstance(first.fake_mode, type(self)):
             with first.fake_mode:  # another mode's tensor: its own mode runs the operation

@@ -146,9 +146,10 @@ def real_device_count() -> int:
 
 
 def device_limit() -> int:
-    """How many spoofed CUDA devices this thread may use now: the innermost block's count, else every one."""
-    spoof = current()
-    return MAX_DEVICES if spoof is None else spoof.device_count
+    """How many spoofed CUDA devices this thread may use now: the innermost block's count (inside
+    :func:`truthful` too), else every one."""
+    stack = _stack()
+    return stack[-1].device_count if stack else MAX_DEVICES
 
 
 def _stack() -> list[Spoof]:
