@@ -102,7 +102,8 @@ def test_tensors_made_from_python_values_inside_spoofed_cuda_stay_fake() -> None
         constant = torch.tensor([1.0, 2.0])
         layer = nn.Linear(2, 2)
         out = layer(constant)
-    assert is_fake(constant) and is_fake(out)
+    assert is_fake(constant)
+    assert is_fake(out)
     assert out.device == torch.device("cuda:0")
 
 

@@ -11,8 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from modattrs import _cuda_guard, _spoofed_cuda
 
 ROOT = Path(__file__).resolve().parent.parent
