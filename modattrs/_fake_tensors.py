@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConverter, FakeTensorMode, in_kernel_invocation_manager
+from torch.utils.weak import WeakIdKeyDictionary
 
 from modattrs import _cuda_guard, _spoofed_cuda
 
@@ -180,7 +181,10 @@ def forget_real_tensors(mode: FakeTensorMode) -> None:
     ``torch.utils.swap_tensors``, which ``Module.to`` uses in swap mode, refuses a tensor that has one: a module read
     inside ``fake_mode()`` could not be moved while the mode object lived. A later use of the mode makes new fakes
     of the real tensors it meets. torch has no public way to do this (checked on 2.13).
+
+    The mappings are replaced, not cleared: ``clear()`` pops each entry, calling its weak reference, and on torch
+    2.8 doing that to the storages' entries leaves the process to crash in a segmentation fault when it exits.
     """
     describer = mode.fake_tensor_converter.meta_converter.describer
-    describer.lookup_tensor.clear()
-    describer.lookup_storage.clear()
+    describer.lookup_tensor = WeakIdKeyDictionary()
+    describer.lookup_storage = WeakIdKeyDictionary()
