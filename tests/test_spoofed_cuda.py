@@ -107,6 +107,22 @@ def test_tensors_made_from_python_values_inside_spoofed_cuda_stay_fake() -> None
     assert out.device == torch.device("cuda:0")
 
 
+@pytest.mark.parametrize("index", range(8))
+def test_every_spoofed_device_initializes_copies_indexes_and_runs_backward(index: int) -> None:
+    # These go through torch's CUDA device guard, which on a CUDA build without a GPU switches devices: on torch 2.8
+    # the build's own guard asks the driver for every device but cuda:0.
+    device = torch.device("cuda", index)
+    with fake_mode(fake_cuda=True), device:
+        layer = nn.Linear(4, 4)
+        nn.init.trunc_normal_(layer.weight)
+        copy = torch.empty(4, 4).copy_(layer.weight)
+        row = copy[1].contiguous()
+        layer(row.unsqueeze(0)).sum().backward()
+    assert {tensor.device for tensor in (layer.weight, copy, row)} == {device}
+    assert layer.weight.grad is not None
+    assert layer.weight.grad.device == device
+
+
 def test_mixtral_asks_for_the_gpu_capability_and_builds_and_runs_forward_on_spoofed_cuda() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.MixtralConfig(
