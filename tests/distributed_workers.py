@@ -253,7 +253,11 @@ def fsdp_storage_shared(model: nn.Module) -> dict[str, bool]:
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.8: one group, as _fsdp_param_group
+        if groups is None:
+            groups = [group] if (group := state._fsdp_param_group) is not None else []
+        for group in groups:
             for fsdp_param in group.fsdp_params:
                 local, flat = fsdp_param.sharded_param._local_tensor, fsdp_param._sharded_param_data
                 name = f"{type(fsdp_param._module_info.module).__name__}.{fsdp_param._module_info.param_name}"
