@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 
 from modattrs import _spoofed_cuda, _torch_changes
 from modattrs._fake_tensors import ModattrsFakeTensorMode, check_device, forget_real_tensors
@@ -141,7 +141,8 @@ def _tensors_of(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
 def _fake_of(mode: FakeTensorMode, name: str, tensor: Tensor, device: torch.device | None) -> Tensor:
     if device is None and tensor.is_meta:
         raise ValueError(f"fake_copy: {name!r} is on the meta device; pass device= to say where the twin is")
-    meta = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="meta")
+    with unset_fake_temporarily():  # inside a fake mode, torch 2.8 would make this meta tensor a fake already
+        meta = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="meta")
     fake = FakeTensor(mode, meta, tensor.device if device is None else device)
     if isinstance(tensor, nn.Parameter):
         parameter = nn.Parameter(fake, requires_grad=tensor.requires_grad)
