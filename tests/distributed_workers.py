@@ -342,11 +342,15 @@ def scenario_tensor_parallel(output: Path) -> dict[str, Any]:
     optimizer.step()
 
     torch.manual_seed(0)
-    scattered = tensor_parallel(deferred_init(feed_forward), mesh)
+    scattered = deferred_init(feed_forward)
+    refused_at = refused = None
     try:
+        scattered = tensor_parallel(scattered, mesh)  # torch 2.8 cannot run c10d's scatter on fake tensors
+        refused_at = "materialize_module"
         materialize_module(scattered)
-        refused = None
+        refused_at = refused = None
     except modattrs.deferred.DeferredInitError as error:
+        refused_at = refused_at or "parallelize_module"
         refused = str(error)
     return {
         "shards": shards,
@@ -354,6 +358,7 @@ def scenario_tensor_parallel(output: Path) -> dict[str, Any]:
         "generator": generator,
         "trained_finite": all(p.full_tensor().isfinite().all() for p in model.parameters()),
         "refused": refused,
+        "refused_at": refused_at,
         "scattered_still_deferred": is_deferred(scattered),
     }
 
