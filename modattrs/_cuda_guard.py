@@ -141,6 +141,24 @@ def _initialize_bindings_without_a_driver() -> None:
         del state.is_initializing
 
 
+@functools.cache  # fixed for the build
+def attention_needs_the_driver() -> bool:
+    """Whether ``scaled_dot_product_attention`` on fake CUDA tensors asks the driver about the GPU (torch 2.8's CUDA
+    build does, to choose a kernel; 2.15 does not, nor does a build without CUDA). Sets up fake CUDA first."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if gpu_present():
+        return False
+    require()
+    with FakeTensorMode():
+        probe = torch.empty(1, 1, 1, 8, device="cuda")
+        try:
+            torch.nn.functional.scaled_dot_product_attention(probe, probe, probe)
+        except RuntimeError:  # torch.AcceleratorError, where it exists, is a RuntimeError
+            return True
+    return False
+
+
 def _guard_switches_devices() -> bool:
     """Whether the CUDA build's own device guard switches between devices without a driver.
 

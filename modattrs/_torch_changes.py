@@ -105,6 +105,11 @@ def install_fake_cuda() -> None:
             #    torch.autograd.backward up at call time: one replacement covers both.
             _replace(torch.autograd, "backward", _fake_backward.simulating_backward)
             _replace(torch.autograd, "grad", _fake_backward.simulating_grad)
+            if _cuda_guard.attention_needs_the_driver():
+                # 6b. On a CUDA build whose scaled_dot_product_attention asks the driver which kernel to use
+                #     (torch 2.8), spoofed-CUDA fakes take torch's math kernel, its own fallback; everything else
+                #     is torch's own. torch's flags to force that kernel are process-wide, so they are not used.
+                _replace(torch.nn.functional, "scaled_dot_product_attention", _math_attention_for_spoofed_cuda)
         # 7. Model code asks torch.cuda about the GPU (transformers' MoE layers ask its capability to choose a
         #    kernel): inside fake_mode(fake_cuda=True) blocks, six of its functions answer as the spoofed GPU, in the
         #    block's thread only; everywhere else they are torch's own (see _spoofed_cuda).
@@ -150,6 +155,28 @@ def _replace_under_both_names(name: str, wrap: Wrap) -> None:
             wrapped[id(original)] = wrap(original)
         setattr(owner, name, wrapped[id(original)])
         _replaced.append(_Replaced(owner, name, original))
+
+
+def _math_attention_for_spoofed_cuda(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(original)
+    def scaled_dot_product_attention(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        if not (isinstance(query, FakeTensor) and query.device.type == "cuda"):
+            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        output: torch.Tensor = torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )[0]
+        return output
+
+    return scaled_dot_product_attention
 
 
 def _trunc_normal_for_fakes(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
