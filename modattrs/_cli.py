@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from modattrs import _cuda_guard, _torch_changes
+from modattrs import _cuda_guard, _spoofed_cuda, _torch_changes
 from modattrs._attribute import own_attributes
 from modattrs.shaped import ShapedTensor
 from modattrs.virtual import VirtualTensor
@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             target, kwargs = DEFAULT_TARGET, [target, *kwargs]
         if arguments.depth < 0:
             raise UsageError(f"--depth must be 0 or more, got {arguments.depth}")
-        report = inspect(target, kwargs, arguments.device, arguments.dtype)
+        report = inspect(target, kwargs, arguments.device, arguments.dtype, arguments.gpu)
     except UsageError as error:
         print(f"modattrs inspect: error: {error}", file=sys.stderr)
         return 2
@@ -107,13 +107,20 @@ def _parser() -> _Parser:
     )
     inspect.add_argument("kwargs", nargs="*", metavar="key=value", help="keyword arguments, as Python literals")
     inspect.add_argument("--device", default="cpu", help="device to build on, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    inspect.add_argument(
+        "--gpu",
+        choices=sorted(_spoofed_cuda.PRESETS),
+        default="H100",
+        help="with --device cuda on a machine without a GPU: the GPU that torch.cuda describes to the model "
+        "(default: H100, 80 GB)",
+    )
     inspect.add_argument("--dtype", default="float32", help="floating-point dtype of the model (default: float32)")
     inspect.add_argument("--depth", type=int, default=2, help="depth of the module tree to show (default: 2)")
     inspect.add_argument("--format", choices=("text", "json"), default="text", help="output format")
     return parser
 
 
-def inspect(target: str, kwargs: Sequence[str], device_name: str, dtype_name: str) -> Report:
+def inspect(target: str, kwargs: Sequence[str], device_name: str, dtype_name: str, gpu: str = "H100") -> Report:
     factory = _load(target)
     keywords = _keywords(kwargs)
     device = _device(device_name)
@@ -126,7 +133,7 @@ def inspect(target: str, kwargs: Sequence[str], device_name: str, dtype_name: st
         except RuntimeError as error:
             raise UsageError(f"--device {device_name}: {error} Or run with --device cpu or --device meta.") from None
     try:
-        return _build_and_measure(target, factory, keywords, device, dtype, spoof_cuda)
+        return _build_and_measure(target, factory, keywords, device, dtype, spoof_cuda, gpu)
     except UsageError:
         raise
     except (Exception, SystemExit) as error:  # whatever the target's code raises: one line, no traceback
@@ -134,11 +141,18 @@ def inspect(target: str, kwargs: Sequence[str], device_name: str, dtype_name: st
 
 
 def _build_and_measure(
-    target: str, factory: Any, keywords: dict[str, Any], device: torch.device, dtype: torch.dtype, spoof_cuda: bool
+    target: str,
+    factory: Any,
+    keywords: dict[str, Any],
+    device: torch.device,
+    dtype: torch.dtype,
+    spoof_cuda: bool,
+    gpu: str,
 ) -> Report:
     from modattrs.fake import fake_mode  # fake-mode machinery is set up on first use, not at import
 
-    with fake_mode(fake_cuda=spoof_cuda), torch.device(device):
+    chosen = _spoofed_cuda.PRESETS[gpu] if spoof_cuda else None  # a real GPU answers for itself
+    with fake_mode(fake_cuda=spoof_cuda, gpu=chosen), torch.device(device):
         torch.empty(0)  # first use of the mode (and of the CUDA guard) before measuring
         before = _peak_mib()
         start = time.perf_counter()

@@ -7,6 +7,13 @@ autograd is involved. The cure is to register torch's own ``FakeGuardImpl<CUDA>`
 C++: they are compiled at the first use of fake CUDA and cached by torch's extension loader under a name that
 includes the torch version. ``_torch_changes`` registers it, and then replaces ``torch.autograd.backward`` and
 ``grad`` by versions that simulate backward passes over spoofed-CUDA graphs (see ``_fake_backward``).
+
+A CUDA build on a machine without a GPU or a driver (what ``pip install torch`` gives on Linux) has its real
+guard, and its bindings call ``torch.cuda._lazy_init()`` before moving even a fake tensor to CUDA, once per
+process, which fails without a driver: :func:`require` has that first call made while torch's Python
+initialization returns at once, so the bindings count CUDA as initialized, as the guard's C++ does on CPU-only
+builds. Where the real guard then cannot switch devices without the driver (torch 2.8; not 2.15), the same C++
+puts ``FakeGuardImpl<CUDA>`` in its place, for the process: without a GPU, the real guard has nothing to guard.
 """
 
 from __future__ import annotations
@@ -19,23 +26,30 @@ import threading
 
 import torch
 
-__all__: list[str] = []
+from modattrs._spoofed_cuda import MAX_DEVICES, real_device_count
+
+__all__ = ["MAX_DEVICES"]
 
 _SOURCE = r"""
 #include <pybind11/pybind11.h>
 #include <c10/core/impl/FakeGuardImpl.h>
 #include <torch/csrc/utils/device_lazy_init.h>
 
-// Registers torch's fake CUDA device guard unless CUDA has a guard already, and says whether it did. The guard
+// Registers torch's fake CUDA device guard and says whether it did: where CUDA has no guard (a CPU-only build), or,
+// with replace, in place of the one it has (a CUDA build without a GPU, whose guard calls the driver). The guard
 // lives until the process ends: the registry does not own it. Also marks CUDA as initialized for the Python
 // bindings, which would otherwise call torch.cuda._lazy_init() (and fail) before moving even a fake tensor to
 // CUDA outside a fake mode.
-static bool register_fake_cuda_guard() {
+static bool register_fake_cuda_guard(bool replace) {
   auto& slot = c10::impl::device_guard_impl_registry[static_cast<size_t>(c10::DeviceType::CUDA)];
   static const c10::impl::DeviceGuardImplInterface* guard = new c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>();
-  const c10::impl::DeviceGuardImplInterface* expected = nullptr;
-  if (!slot.compare_exchange_strong(expected, guard)) {
-    return false;
+  if (replace) {
+    slot.store(guard);
+  } else {
+    const c10::impl::DeviceGuardImplInterface* expected = nullptr;
+    if (!slot.compare_exchange_strong(expected, guard)) {
+      return false;
+    }
   }
   torch::utils::set_requires_device_init(c10::DeviceType::CUDA, false);
   return true;
@@ -46,17 +60,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-#: The devices torch's fake guard knows: cuda:0 to cuda:7.
-MAX_DEVICES = 8
-
 _lock = threading.Lock()
 _failure: str | None = None
 _ready = False
 
 
 def ready() -> bool:
-    """Whether fake CUDA tensors can be used in this process: a CUDA build, or the guard is registered."""
-    return _ready or cuda_built()
+    """Whether fake CUDA tensors can be used in this process: a real GPU, or fake CUDA is set up."""
+    return _ready or gpu_present()
 
 
 @functools.cache  # fixed for the build; asked on every fake dispatch with a device
@@ -65,21 +76,40 @@ def cuda_built() -> bool:
     return bool(torch.backends.cuda.is_built())  # type: ignore[no-untyped-call]
 
 
+@functools.cache  # fixed for the process: CUDA counts its devices once
+def gpu_present() -> bool:
+    """Whether this machine has a GPU that torch can use (so nothing about CUDA needs to be faked)."""
+    return cuda_built() and real_device_count() > 0
+
+
 def require() -> None:
     """Make sure fake CUDA tensors can be used in this process; raise a RuntimeError saying why not."""
     global _ready, _failure
-    if _ready or cuda_built():
-        return  # a CUDA build registers torch's fake guard itself when it finds no GPU
+    if _ready or gpu_present():
+        return
     with _lock:
         if _ready:
             return
         if _failure is None:
             try:
-                _build_and_register()
+                if cuda_built():
+                    _initialize_bindings_without_a_driver()
+                    if not _guard_switches_devices():
+                        _build_and_register(replace=True)
+                else:
+                    _build_and_register(replace=False)
                 _ready = True
                 return
             except Exception as error:  # the compiler's and the loader's errors vary; all mean "not available"
                 _failure = f"{type(error).__name__}: {error}"
+        if cuda_built():
+            raise RuntimeError(
+                f"fake CUDA could not be set up on this CUDA build of torch without a GPU ({_failure}). On torch "
+                "releases whose CUDA device guard calls the driver (2.8, for one), modattrs compiles a fake one at "
+                "first use: install a C++ compiler (g++) and ninja (pip install ninja) and restart Python, or use a "
+                "newer torch; without them, build the model on the meta device (with torch.device('meta')) to "
+                "inspect it, or make a fake CPU twin with modattrs.fake.fake_copy(model)."
+            )
         raise RuntimeError(
             "fake CUDA needs a device guard that this CPU-only build of torch lacks; modattrs compiles one at first "
             f"use, and that failed ({_failure}). Install a C++ compiler (g++) and ninja (pip install ninja) and "
@@ -89,8 +119,77 @@ def require() -> None:
         )
 
 
-def _build_and_register() -> None:
-    from torch.utils.cpp_extension import load_inline
+def _initialize_bindings_without_a_driver() -> None:
+    """Have torch's C++ bindings count CUDA as initialized, on a CUDA build without a GPU, for good.
+
+    Before moving a tensor to CUDA (``.to``, ``.cuda()``, ``Module.to``), a binding calls ``torch.cuda._lazy_init``
+    once per process, and only marks CUDA initialized if that returns: without a driver, it raises "Found no
+    NVIDIA driver", fake tensor or not. One fake tensor is moved while torch's own re-entrance flag
+    (``torch.cuda._tls.is_initializing``, private; there is no public way to do this, checked on torch 2.6, 2.8,
+    2.13 and 2.15) makes ``_lazy_init`` return at once in this thread. Python's ``torch.cuda`` stays uninitialized:
+    its functions still say there is no driver, and real CUDA tensors still cannot be made.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        probe = torch.empty(0)
+    state = torch.cuda._tls
+    state.is_initializing = True
+    try:
+        probe.to("cuda:0")
+    finally:
+        del state.is_initializing
+
+
+@functools.cache  # fixed for the build
+def attention_needs_the_driver() -> bool:
+    """Whether ``scaled_dot_product_attention`` on fake CUDA tensors asks the driver about the GPU (torch 2.8's CUDA
+    build does, to choose a kernel; 2.15 does not, nor does a build without CUDA). Sets up fake CUDA first."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if gpu_present():
+        return False
+    require()
+    with FakeTensorMode():
+        probe = torch.empty(1, 1, 1, 8, device="cuda")
+        try:
+            torch.nn.functional.scaled_dot_product_attention(probe, probe, probe)
+        except RuntimeError:  # torch.AcceleratorError, where it exists, is a RuntimeError
+            return True
+    return False
+
+
+def _guard_switches_devices() -> bool:
+    """Whether the CUDA build's own device guard switches between devices without a driver.
+
+    On a CUDA build the bindings (``copy_``, indexing, ...) guard the device of their tensors with torch's real
+    CUDA guard. Newer releases (2.15) only note the device to switch to while CUDA is uninitialized; older ones
+    (2.8) call ``cudaSetDevice``, which fails without a driver ("CUDA driver version is insufficient"), for any
+    device but the current one. Tried once, on a fake tensor on ``cuda:1``.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        probe = torch.empty(1, device="cuda:1")
+        try:
+            probe.copy_(probe)
+        except RuntimeError:  # torch.AcceleratorError, where it exists, is a RuntimeError
+            return False
+    return True
+
+
+def _build_and_register(*, replace: bool) -> None:
+    import logging
+
+    # On a CUDA build, torch's extension module logs "No CUDA runtime is found" when imported: true, and no concern
+    # of this CPU-only extension.
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        from torch.utils.cpp_extension import load_inline
+    finally:
+        logger.setLevel(level)
 
     # One build per torch version, Python version and source; torch's loader caches it and reuses it after.
     digest = hashlib.sha1(_SOURCE.encode()).hexdigest()[:8]
@@ -105,4 +204,5 @@ def _build_and_register() -> None:
         with_cuda=False,
         verbose=False,
     )
-    extension.register_fake_cuda_guard()
+    if not extension.register_fake_cuda_guard(replace):
+        raise RuntimeError("CUDA has a device guard already")

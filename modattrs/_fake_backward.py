@@ -109,12 +109,14 @@ def _spoofed(outputs: list[Any]) -> bool:
     if any(t.device.type == "cuda" for t in fakes):
         return True
     nodes = [t.grad_fn for t in fakes if t.grad_fn is not None]
-    seen: set[int] = set()
+    # Keyed by id, and the nodes kept: torch's Python object for a graph node lives only while referenced (on
+    # torch 2.8; later releases keep it), and a node dropped could give its id to the next one.
+    seen: dict[int, object] = {}
     while nodes:
         node = nodes.pop()
         if id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
         if isinstance(variable, Tensor) and variable.device.type == "cuda":
             return True
@@ -145,12 +147,14 @@ def _reachable_leaves(outputs: list[Tensor], gradients: list[Any]) -> list[Tenso
             leaves.append(output)
         else:
             nodes.append(output.grad_fn)
-    seen: set[int] = set()
+    # Keyed by id, and the nodes kept: torch's Python object for a graph node lives only while referenced (on
+    # torch 2.8; later releases keep it), and a node dropped could give its id to the next one.
+    seen: dict[int, object] = {}
     while nodes:
         node = nodes.pop()
         if id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         if type(node).__name__ == "CheckpointFunctionBackward":
             raise RuntimeError(
                 "a backward pass through torch.utils.checkpoint with use_reentrant=True cannot be simulated for "

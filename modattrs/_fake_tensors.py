@@ -14,8 +14,11 @@
 * A detached fake tensor holds no constant (the values torch keeps for small tensors made from Python numbers),
   and the tensors it shares storage with forget theirs: torch would memoize it (a weak reference again), and
   ``nn.Parameter(torch.tensor(2.0))`` could then not be moved.
-* On a build of torch without CUDA, CUDA devices are refused until the fake CUDA device guard is registered (see
-  ``_cuda_guard``): without it, some operations fail and autograd aborts the process.
+* On a machine without a GPU, CUDA devices are refused until fake CUDA is set up (see ``_cuda_guard``): without
+  it, some operations fail, and on a build of torch without CUDA autograd aborts the process. Devices past the
+  spoofed device count are refused.
+* torch's code below the mode asks torch's own ``torch.cuda`` functions whether it may make real CUDA tensors, not
+  the spoofed ones (see ``_spoofed_cuda``).
 
 The process-wide changes that fake mode needs are made by ``_torch_changes``.
 """
@@ -32,8 +35,9 @@ from torch._subclasses.fake_tensor import (
     FakeTensorConverter,
     FakeTensorMode,
 )
+from torch.utils.weak import WeakIdKeyDictionary
 
-from modattrs import _cuda_guard
+from modattrs import _cuda_guard, _spoofed_cuda
 
 __all__: list[str] = []
 
@@ -77,7 +81,10 @@ class _Converter(FakeTensorConverter):
         pytype: type[torch.Tensor] | None = None,
         dispatch_keys: torch.DispatchKeySet | None = None,
     ) -> FakeTensor:
-        # `t` is a fresh meta tensor (torch's own comment says so), so there is nothing to look up.
+        # `t` is a fresh meta tensor (torch's own comment says so), so there is nothing to look up. torch before 2.7
+        # passes neither `pytype` nor `dispatch_keys`, and its FakeTensor takes neither.
+        if pytype is None and dispatch_keys is None:
+            return FakeTensor(fake_mode, t, device)
         return FakeTensor(fake_mode, t, device, pytype=pytype, dispatch_keys=dispatch_keys)
 
 
@@ -94,6 +101,13 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
     def __deepcopy__(self, memo: dict[int, Any]) -> ModattrsFakeTensorMode:
         return self
 
+    @property
+    def avoid_device_init(self) -> bool:
+        # torch asks torch.cuda.is_available() whether it may make real tensors on the device (constants of
+        # torch.tensor(...)); inside a spoofed block that answers for the spoofed GPU, so the real answer is asked.
+        with _spoofed_cuda.truthful():
+            return bool(super().avoid_device_init)
+
     def opaque_call(
         self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], target: FakeTensor
     ) -> FakeTensor:
@@ -108,6 +122,14 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
+        if _spoofed_cuda.current() is None:
+            return self._dispatch(func, types, args, kwargs)
+        # Below the dispatcher is torch's code, which asks torch.cuda.is_available() whether it may make real CUDA
+        # tensors (torch 2.8 does, for every new fake CUDA tensor; 2.13 does not): it gets torch's own answers.
+        with _spoofed_cuda.truthful():
+            return self._dispatch(func, types, args, kwargs)
+
+    def _dispatch(self, func: Any, types: Sequence[type], args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> Any:
         first = args[0] if args else None
         if type(first) is FakeTensor and first.fake_mode is not self and isinstance(first.fake_mode, type(self)):
             with first.fake_mode:  # another mode's tensor: its own mode runs the operation
@@ -192,8 +214,9 @@ def _normalized(device: torch.device) -> torch.device:
 
 
 def check_device(device: object) -> None:
-    """Refuse CUDA devices that a build of torch without CUDA cannot fake."""
-    if device is None or _cuda_guard.cuda_built():
+    """Refuse CUDA devices that cannot be faked: any, until fake CUDA is set up on a machine without a GPU, and
+    those past the spoofed device count."""
+    if device is None:
         return
     device = torch.device(device)  # type: ignore[call-overload]
     assert isinstance(device, torch.device)
@@ -202,11 +225,15 @@ def check_device(device: object) -> None:
     if not _cuda_guard.ready():
         raise RuntimeError(
             f"fake tensors on {device} need modattrs.fake.fake_mode(fake_cuda=True) (or fake_copy to a CUDA device) "
-            "first, on this build of torch, which has no CUDA"
+            "first, on this machine, which has no GPU"
         )
-    if device.index is not None and device.index >= _cuda_guard.MAX_DEVICES:
+    limit = _spoofed_cuda.device_limit()
+    if device.index is not None and device.index >= limit and not _cuda_guard.gpu_present():
+        if limit == _spoofed_cuda.MAX_DEVICES:
+            raise ValueError(f"{device}: torch's fake CUDA device guard knows cuda:0 to cuda:{limit - 1} only")
         raise ValueError(
-            f"{device}: torch's fake CUDA device guard knows cuda:0 to cuda:{_cuda_guard.MAX_DEVICES - 1} only"
+            f"{device}: this fake_mode spoofs {limit} CUDA devices, cuda:0 to cuda:{limit - 1}; ask for more with "
+            f"fake_mode(fake_cuda=True, device_count=N), up to {_spoofed_cuda.MAX_DEVICES}"
         )
 
 
@@ -236,7 +263,10 @@ def forget_real_tensors(mode: FakeTensorMode) -> None:
     ``torch.utils.swap_tensors``, which ``Module.to`` uses in swap mode, refuses a tensor that has one: a module read
     inside ``fake_mode()`` could not be moved while the mode object lived. A later use of the mode makes new fakes
     of the real tensors it meets. torch has no public way to do this (checked on 2.13).
+
+    The mappings are replaced, not cleared: ``clear()`` pops each entry, calling its weak reference, and on torch
+    2.8 doing that to the storages' entries leaves the process to crash in a segmentation fault when it exits.
     """
     describer = mode.fake_tensor_converter.meta_converter.describer
-    describer.lookup_tensor.clear()
-    describer.lookup_storage.clear()
+    describer.lookup_tensor = WeakIdKeyDictionary()
+    describer.lookup_storage = WeakIdKeyDictionary()

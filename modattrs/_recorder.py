@@ -78,6 +78,15 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             except (DataDependentOutputException, DynamicOutputShapeException) as error:
                 raise _needs_values(callable_name(func)) from error
             except (UnsupportedFakeTensorException, UnsupportedOperatorException) as error:
+                if isinstance(func, torch._ops.OpOverload) and func.namespace == "c10d":
+                    raise DeferredInitError(
+                        f"{callable_name(func)} ({where()}) is a collective that would send data between ranks "
+                        "while deferred (distribute_tensor and parallelize_module send rank 0's values unless "
+                        "given src_data_rank=None), and this torch cannot run it on fake tensors. Pass "
+                        "src_data_rank=None to parallelize_module or distribute_tensor: every rank's deferred module "
+                        "holds the same values, so each rank cuts its own part without communication. Or "
+                        "materialize_module first, then parallelize"
+                    ) from error
                 raise DeferredInitError(
                     f"{callable_name(func)} cannot run on fake tensors ({where()}): {error}. deferred_init records on "
                     "fake tensors; build this part outside deferred_init and hand it in real"

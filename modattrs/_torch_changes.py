@@ -2,8 +2,8 @@
 
 Importing modattrs changes nothing. The first use of fake mode or deferred initialization (``fake_mode``,
 ``fake_copy``, ``deferred_init``) calls :func:`install`, which makes the *base* changes, all of them, in the order
-of its body, whichever feature came first; the first use of fake CUDA on a build of torch without CUDA calls
-:func:`install_fake_cuda`, which makes the base changes and then the fake CUDA ones. So a process ends in the same
+of its body, whichever feature came first; the first use of fake CUDA calls :func:`install_fake_cuda`, which makes
+the base changes and then the fake CUDA ones (fewer on a machine with a GPU). So a process ends in the same
 state whatever order its features were first used in. ``docs/torch_changes.rst`` lists the changes for users;
 :func:`undo` puts back what can be put back, for tests.
 
@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from modattrs import _cuda_guard, _fake_backward, _generator
+from modattrs import _cuda_guard, _fake_backward, _generator, _spoofed_cuda
 from modattrs._fake_tensors import ModattrsFakeTensorMode
 
 __all__: list[str] = []
@@ -42,7 +42,7 @@ class _Replaced:
 
 _lock = threading.RLock()
 _base = False  # install() done
-_fake_backward_installed = False
+_fake_cuda_installed = False
 _replaced: list[_Replaced] = []  # in the order made
 _filters: list[Any] = []  # the entries added to warnings.filters
 
@@ -81,37 +81,51 @@ def install() -> None:
 
 
 def install_fake_cuda() -> None:
-    """Make fake CUDA tensors possible, after the base changes; on a build of torch with CUDA, nothing more.
+    """Make fake CUDA tensors possible, after the base changes; on a machine with a GPU, only change 7.
 
     Raises:
-        RuntimeError: the device guard cannot be built (no C++ compiler); the message says what to do instead.
+        RuntimeError: fake CUDA cannot be set up (a CPU-only build without a C++ compiler); the message says what
+            to do instead.
     """
-    global _fake_backward_installed
+    global _fake_cuda_installed
     install()
-    # 5. A build of torch without CUDA has no CUDA device guard, which some Python bindings and the autograd engine
-    #    build for fake CUDA tensors too: torch's own FakeGuardImpl is compiled and registered (see _cuda_guard).
-    #    It cannot be undone. On a CUDA build, torch registers it itself.
+    # 5. Some Python bindings and the autograd engine build a device guard for fake CUDA tensors too, and a build of
+    #    torch without CUDA has none: torch's own FakeGuardImpl is compiled and registered. A CUDA build without a
+    #    GPU has its guard, but its bindings fail to initialize CUDA before moving a tensor there: they are made to
+    #    count CUDA as initialized. Neither can be undone. See _cuda_guard.
     _cuda_guard.require()
-    if _fake_backward_installed or _cuda_guard.cuda_built():
+    if _fake_cuda_installed:
         return
     with _lock:
-        if _fake_backward_installed:
+        if _fake_cuda_installed:
             return
-        # 6. torch's autograd engine needs a real accelerator for CUDA gradients, which the build lacks: backward
-        #    passes over spoofed-CUDA fakes are simulated (see _fake_backward); everything else is torch's own.
-        #    Tensor.backward looks torch.autograd.backward up at call time: one replacement covers both.
-        _replace(torch.autograd, "backward", _fake_backward.simulating_backward)
-        _replace(torch.autograd, "grad", _fake_backward.simulating_grad)
-        _fake_backward_installed = True
+        if not _cuda_guard.gpu_present():
+            # 6. torch's autograd engine needs a real GPU for CUDA gradients: backward passes over spoofed-CUDA fakes
+            #    are simulated (see _fake_backward); everything else is torch's own. Tensor.backward looks
+            #    torch.autograd.backward up at call time: one replacement covers both.
+            _replace(torch.autograd, "backward", _fake_backward.simulating_backward)
+            _replace(torch.autograd, "grad", _fake_backward.simulating_grad)
+            if _cuda_guard.attention_needs_the_driver():
+                # 6b. On a CUDA build whose scaled_dot_product_attention asks the driver which kernel to use
+                #     (torch 2.8), spoofed-CUDA fakes take torch's math kernel, its own fallback; everything else
+                #     is torch's own. torch's flags to force that kernel are process-wide, so they are not used.
+                _replace(torch.nn.functional, "scaled_dot_product_attention", _math_attention_for_spoofed_cuda)
+        # 7. Model code asks torch.cuda about the GPU (transformers' MoE layers ask its capability to choose a
+        #    kernel): inside fake_mode(fake_cuda=True) blocks, six of its functions answer as the spoofed GPU, in the
+        #    block's thread only; everywhere else they are torch's own (see _spoofed_cuda).
+        for name in _spoofed_cuda.ANSWERS:
+            _replace(torch.cuda, name, _spoofed_cuda.answering(name))
+        _fake_cuda_installed = True
 
 
 def undo() -> None:
     """Put back every function replaced and remove the warning filter, in the reverse order; for tests.
 
-    The CUDA device guard stays registered (a C++ registration cannot be taken back), so fake CUDA keeps working
-    after ``install_fake_cuda``, with torch's autograd engine.
+    The CUDA device guard stays registered (a C++ registration cannot be taken back), and so does CUDA's
+    initialization for the bindings of a CUDA build without a GPU: fake CUDA keeps working after
+    ``install_fake_cuda``, with torch's autograd engine.
     """
-    global _base, _fake_backward_installed
+    global _base, _fake_cuda_installed
     with _lock:
         while _replaced:
             replaced = _replaced.pop()
@@ -122,7 +136,7 @@ def undo() -> None:
         mutated = getattr(warnings, "_filters_mutated", None)  # private: makes warnings read its filters again
         if mutated is not None:
             mutated()
-        _base = _fake_backward_installed = False
+        _base = _fake_cuda_installed = False
 
 
 def _replace(owner: object, name: str, wrap: Wrap) -> None:
@@ -141,6 +155,28 @@ def _replace_under_both_names(name: str, wrap: Wrap) -> None:
             wrapped[id(original)] = wrap(original)
         setattr(owner, name, wrapped[id(original)])
         _replaced.append(_Replaced(owner, name, original))
+
+
+def _math_attention_for_spoofed_cuda(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(original)
+    def scaled_dot_product_attention(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        if not (isinstance(query, FakeTensor) and query.device.type == "cuda"):
+            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        output: torch.Tensor = torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )[0]
+        return output
+
+    return scaled_dot_product_attention
 
 
 def _trunc_normal_for_fakes(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -490,9 +490,13 @@ def _fsdp_shards(module: nn.Module, prefix: str) -> Iterator[tuple[str, Tensor]]
     # FSDPModule._get_fsdp_state(), FSDPState._fsdp_param_groups, FSDPParamGroup.fsdp_params and
     # FSDPParam._sharded_param_data / _module_info (torch 2.13): FSDP2 has no public API to reach the storage its
     # all-gathers read, nor one to rebuild it after the parameter's local tensor changed (reset_sharded_param is
-    # private too, and it copies into new storage when the shard is padded).
+    # private too, and it copies into new storage when the shard is padded). torch 2.8 has one group per state,
+    # as _fsdp_param_group (None when the unit manages no parameter).
     state = module._get_fsdp_state()
-    for group in state._fsdp_param_groups:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [group] if (group := state._fsdp_param_group) is not None else []
+    for group in groups:
         for fsdp_param in group.fsdp_params:
             info = fsdp_param._module_info
             owner = next((path for path, sub in module.named_modules() if sub is info.module), "?")

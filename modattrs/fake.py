@@ -17,18 +17,21 @@ from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 
-from modattrs import _torch_changes
+from modattrs import _spoofed_cuda, _torch_changes
 from modattrs._fake_tensors import ModattrsFakeTensorMode, check_device, forget_real_tensors
+from modattrs._spoofed_cuda import A100, GPU, H100
 
-__all__ = ["fake_copy", "fake_mode", "is_fake", "meta_like"]
+__all__ = ["A100", "GPU", "H100", "fake_copy", "fake_mode", "is_fake", "meta_like"]
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 @contextlib.contextmanager
-def fake_mode(*, fake_cuda: bool = False) -> Iterator[FakeTensorMode]:
+def fake_mode(
+    *, fake_cuda: bool = False, gpu: GPU | None = None, device_count: int | None = None
+) -> Iterator[FakeTensorMode]:
     """Make every tensor created inside the block fake, on the device it was asked for.
 
     Modules built inside are complete but hold no data: initializers run without writing values (and
@@ -38,13 +41,19 @@ def fake_mode(*, fake_cuda: bool = False) -> Iterator[FakeTensorMode]:
     any fake mode or outside.
 
     Args:
-        fake_cuda: allow ``cuda`` and ``cuda:0`` to ``cuda:7`` on a build of torch without CUDA. On such a build
-            this registers torch's fake CUDA device guard in the process (compiled once, at the first use, and
-            cached); ``torch.cuda.is_available()`` stays false, and real CUDA tensors still cannot be made.
-            Backward passes over such tensors are simulated, since torch's autograd engine cannot run for a device
-            the build lacks: every leaf reached gets a fake ``.grad`` of its own shape, dtype and device, and hooks
-            and custom ``backward`` functions do not run. From then on, fake CUDA tensors work in any fake mode of
-            the process.
+        fake_cuda: allow ``cuda`` and ``cuda:0`` to ``cuda:7`` on a machine without a GPU, whatever the build of
+            torch. On a CPU-only build this registers torch's fake CUDA device guard in the process (compiled
+            once, at the first use, and cached); real CUDA tensors still cannot be made. Backward passes over such
+            tensors are simulated, since torch's autograd engine cannot run for a GPU the machine lacks: every
+            leaf reached gets a fake ``.grad`` of its own shape, dtype and device, and hooks and custom
+            ``backward`` functions do not run. From then on, fake CUDA tensors work in any fake mode of the
+            process. Inside the block, in its thread only, ``torch.cuda.is_available()``, ``device_count()``,
+            ``current_device()``, ``get_device_name()``, ``get_device_capability()`` and
+            ``get_device_properties()`` answer as ``device_count`` of ``gpu``.
+        gpu: the GPU that spoofed CUDA describes: :data:`H100` (the default, 80 GB), :data:`A100`, or a
+            :class:`GPU` of your own. Needs ``fake_cuda=True``.
+        device_count: how many spoofed GPUs there are, 1 to 8 (default 8): ``cuda:0`` to
+            ``cuda:<device_count - 1>`` can be used inside the block. Needs ``fake_cuda=True``.
 
     Yields:
         the ``FakeTensorMode`` in effect.
@@ -52,14 +61,22 @@ def fake_mode(*, fake_cuda: bool = False) -> Iterator[FakeTensorMode]:
     Raises:
         RuntimeError: ``fake_cuda`` was asked for on a CPU-only build where the device guard cannot be built
             (no C++ compiler); the message names the alternatives.
+        ValueError: ``gpu`` or ``device_count`` without ``fake_cuda=True``, or a device count out of range.
     """
+    if not fake_cuda and (gpu is not None or device_count is not None):
+        raise ValueError(
+            "fake_mode: gpu= and device_count= choose the GPU that spoofed CUDA describes; pass fake_cuda=True too"
+        )
+    spoof = _spoofed_cuda.check(
+        H100 if gpu is None else gpu, _spoofed_cuda.MAX_DEVICES if device_count is None else device_count
+    )
     if fake_cuda:
         _torch_changes.install_fake_cuda()
     else:
         _torch_changes.install()
     mode = ModattrsFakeTensorMode()
     try:
-        with mode:
+        with mode, _spoofed_cuda.spoofing(spoof) if fake_cuda else contextlib.nullcontext():
             yield mode
     finally:
         forget_real_tensors(mode)
@@ -124,7 +141,8 @@ def _tensors_of(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
 def _fake_of(mode: FakeTensorMode, name: str, tensor: Tensor, device: torch.device | None) -> Tensor:
     if device is None and tensor.is_meta:
         raise ValueError(f"fake_copy: {name!r} is on the meta device; pass device= to say where the twin is")
-    meta = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="meta")
+    with unset_fake_temporarily():  # inside a fake mode, torch 2.8 would make this meta tensor a fake already
+        meta = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="meta")
     fake = FakeTensor(mode, meta, tensor.device if device is None else device)
     if isinstance(tensor, nn.Parameter):
         parameter = nn.Parameter(fake, requires_grad=tensor.requires_grad)

@@ -45,3 +45,12 @@ def shared_rotary() -> nn.Module:
     VirtualTensor(model[0], "cos", lambda owner, dtype, device: torch.ones(8, dtype=dtype, device=device))
     model[1].cos = model[0].cos
     return model
+
+
+def sized_by_the_gpu() -> nn.Module:
+    """A model that sizes itself from what torch.cuda says about the GPU, as tuned kernels' wrappers do."""
+    import torch
+
+    properties = torch.cuda.get_device_properties(0)
+    major, minor = torch.cuda.get_device_capability()
+    return nn.Linear(properties.multi_processor_count, 10 * major + minor, bias=False)

@@ -253,7 +253,11 @@ def fsdp_storage_shared(model: nn.Module) -> dict[str, bool]:
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.8: one group, as _fsdp_param_group
+        if groups is None:
+            groups = [group] if (group := state._fsdp_param_group) is not None else []
+        for group in groups:
             for fsdp_param in group.fsdp_params:
                 local, flat = fsdp_param.sharded_param._local_tensor, fsdp_param._sharded_param_data
                 name = f"{type(fsdp_param._module_info.module).__name__}.{fsdp_param._module_info.param_name}"
@@ -338,11 +342,15 @@ def scenario_tensor_parallel(output: Path) -> dict[str, Any]:
     optimizer.step()
 
     torch.manual_seed(0)
-    scattered = tensor_parallel(deferred_init(feed_forward), mesh)
+    scattered = deferred_init(feed_forward)
+    refused_at = refused = None
     try:
+        scattered = tensor_parallel(scattered, mesh)  # torch 2.8 cannot run c10d's scatter on fake tensors
+        refused_at = "materialize_module"
         materialize_module(scattered)
-        refused = None
+        refused_at = refused = None
     except modattrs.deferred.DeferredInitError as error:
+        refused_at = refused_at or "parallelize_module"
         refused = str(error)
     return {
         "shards": shards,
@@ -350,6 +358,7 @@ def scenario_tensor_parallel(output: Path) -> dict[str, Any]:
         "generator": generator,
         "trained_finite": all(p.full_tensor().isfinite().all() for p in model.parameters()),
         "refused": refused,
+        "refused_at": refused_at,
         "scattered_still_deferred": is_deferred(scattered),
     }
 

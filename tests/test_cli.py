@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from modattrs._cli import main
 
@@ -193,3 +194,13 @@ def test_an_alias_of_another_modules_attribute_is_reported_once_under_its_owner(
 ) -> None:
     report = inspect_json("cli_targets:shared_rotary", capsys=capsys)
     assert [attribute["name"] for attribute in report["attributes"]] == ["0.cos"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a real GPU describes itself, whatever --gpu says")
+@pytest.mark.parametrize(("gpu", "sms", "capability"), [(None, 132, 90), ("H100", 132, 90), ("A100", 108, 80)])
+def test_gpu_chooses_what_torch_cuda_tells_the_model_and_h100_is_the_default(
+    gpu: str | None, sms: int, capability: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chosen = [] if gpu is None else ["--gpu", gpu]
+    report = inspect_json("cli_targets:sized_by_the_gpu", "--device", "cuda", *chosen, capsys=capsys)
+    assert report["total_parameters"] == sms * capability

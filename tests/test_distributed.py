@@ -156,13 +156,22 @@ def test_tensor_parallel_deferred_model_materializes_each_rank_slice_and_refuses
             assert torch.equal(saved["shards"][name], expected), f"rank {rank}: {name}"
         assert torch.equal(saved["generator"], generator)
         assert saved["trained_finite"]
-        # With src_data_rank left at 0, rank 0's values are scattered: a collective, which a replay cannot run.
+        # With src_data_rank left at 0, rank 0's values are scattered: a collective, which a replay cannot run. Where
+        # c10d's scatter has no meta kernel (torch 2.8), fake tensors cannot run it: refused while parallelizing.
         assert saved["refused"] is not None
-        assert re.match(
-            r"parameter '[02]\.(weight|bias)' \(Linear\) \(this rank's local tensor of the DTensor\) cannot be "
-            r"materialized: its values come from c10d\.(scatter|broadcast)_\.default, a collective",
-            saved["refused"],
-        ), saved["refused"]
+        if torch._C._dispatch_has_kernel_for_dispatch_key("c10d::scatter_", "Meta"):
+            assert saved["refused_at"] == "materialize_module"
+            assert re.match(
+                r"parameter '[02]\.(weight|bias)' \(Linear\) \(this rank's local tensor of the DTensor\) cannot "
+                r"be materialized: its values come from c10d\.(scatter|broadcast)_\.default, a collective",
+                saved["refused"],
+            ), saved["refused"]
+        else:
+            assert saved["refused_at"] == "parallelize_module"
+            assert re.match(
+                r"c10d\.(scatter|broadcast)_\.default \(.*\) is a collective that would send data between ranks",
+                saved["refused"],
+            ), saved["refused"]
         assert "Pass src_data_rank=None to parallelize_module or distribute_tensor" in saved["refused"]
         assert "Or materialize_module first, then parallelize" in saved["refused"]
         assert saved["scattered_still_deferred"]

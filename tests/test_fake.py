@@ -496,7 +496,7 @@ def test_backward_checks_what_torch_checks() -> None:
 def test_without_a_compiler_fake_cuda_says_what_to_do_instead(monkeypatch: pytest.MonkeyPatch) -> None:
     from modattrs import _cuda_guard
 
-    def no_compiler() -> None:
+    def no_compiler(*, replace: bool) -> None:
         raise FileNotFoundError("[Errno 2] No such file or directory: 'c++'")
 
     monkeypatch.setattr(_cuda_guard, "_ready", False)
@@ -510,6 +510,33 @@ def test_without_a_compiler_fake_cuda_says_what_to_do_instead(monkeypatch: pytes
         pass
     with pytest.raises(RuntimeError, match="Install a C"):  # the failure is remembered, not retried
         fake_copy(nn.Linear(2, 2), device="cuda")
+
+
+def test_on_a_cuda_build_whose_guard_needs_the_driver_without_a_compiler_fake_cuda_says_what_to_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from modattrs import _cuda_guard
+
+    def no_compiler(*, replace: bool) -> None:
+        assert replace  # the build's own guard is taken out
+        raise FileNotFoundError("[Errno 2] No such file or directory: 'c++'")
+
+    monkeypatch.setattr(_cuda_guard, "_ready", False)
+    monkeypatch.setattr(_cuda_guard, "_failure", None)
+    monkeypatch.setattr(_cuda_guard, "cuda_built", lambda: True)
+    monkeypatch.setattr(_cuda_guard, "gpu_present", lambda: False)
+    monkeypatch.setattr(_cuda_guard, "_initialize_bindings_without_a_driver", lambda: None)
+    monkeypatch.setattr(_cuda_guard, "_guard_switches_devices", lambda: False)
+    monkeypatch.setattr(_cuda_guard, "_build_and_register", no_compiler)
+    with (
+        pytest.raises(
+            RuntimeError,
+            match=r"CUDA build of torch without a GPU \(FileNotFoundError: .*'c\+\+'\).*install a C\+\+ compiler "
+            r"\(g\+\+\) and ninja.*meta device.*fake_copy",
+        ),
+        fake_mode(fake_cuda=True),
+    ):
+        pass
 
 
 def test_a_process_that_never_uses_fake_cuda_has_no_fake_guard() -> None:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
+from modattrs import _cuda_guard, _spoofed_cuda
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -141,8 +141,8 @@ def fake_cuda_can_be_built() -> bool:
 
 def features() -> list[str]:
     names = ["deferred", "fake", "cached"]
-    if not torch.backends.cuda.is_built() and fake_cuda_can_be_built():
-        names.append("cuda")  # spoofed CUDA, on a build without CUDA: the device guard and the autograd replacement
+    if fake_cuda_can_be_built():
+        names.append("cuda")  # spoofed CUDA: the device guard or the bindings' CUDA initialization, and replacements
     return names
 
 
@@ -178,7 +178,11 @@ def test_every_order_of_first_use_leaves_torch_in_one_state_and_every_feature_wo
         "torch.random.set_rng_state",
     }
     if "cuda" in used:
-        expected |= {"torch.autograd.backward", "torch.autograd.grad"}
+        expected |= {f"torch.cuda.{name}" for name in _spoofed_cuda.ANSWERS}
+        if not _cuda_guard.gpu_present():  # a real GPU runs torch's autograd engine
+            expected |= {"torch.autograd.backward", "torch.autograd.grad"}
+        if _cuda_guard.attention_needs_the_driver():  # torch 2.8's CUDA build without a GPU
+            expected.add("torch.nn.functional.scaled_dot_product_attention")
     assert set(installed["functions"]) == expected
     assert installed["silenced"] == ["Accessing the data pointer of FakeTensor"]
 
