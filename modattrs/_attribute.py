@@ -26,6 +26,16 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from modattrs._torch_private import (
+    PUBLIC_STATE_DICT_HOOK_FLAG,
+    buffers_of,
+    module_initialized,
+    non_persistent_buffers_of,
+    parameters_of,
+    state_dict_hook_tables,
+    submodules_of,
+)
+
 __all__: list[str] = []
 
 
@@ -223,7 +233,7 @@ def _detach_all(owner: nn.Module, name: str) -> None:
 def check_owner(kind: str, owner: object) -> nn.Module:
     if not isinstance(owner, nn.Module):
         raise TypeError(f"{kind} needs an nn.Module as its owner, got {type(owner).__name__}")
-    if "_buffers" not in owner.__dict__:
+    if not module_initialized(owner):
         raise RuntimeError(f"{kind} cannot be attached to {type(owner).__name__} before nn.Module.__init__() ran")
     return owner
 
@@ -255,7 +265,7 @@ def check_names(kind: type[OwnedAttribute], owner: nn.Module, name: object) -> s
         derived
         for hook in _hooks_of(owner, name)
         for derived in hook.derived
-        if _kind_of(name, derived)._registers(owner._buffers.get(derived, owner._parameters.get(derived)))
+        if _kind_of(name, derived)._registers(buffers_of(owner).get(derived, parameters_of(owner).get(derived)))
     }
     for derived_name in kind._reserved(name):
         if derived_name not in claimed and _occupied(owner, derived_name):
@@ -273,7 +283,7 @@ def _is_own(attribute: OwnedAttribute, owner: nn.Module, name: str) -> bool:
 def take_over(owner: nn.Module, name: str) -> None:
     """Remove what earlier attributes named ``name`` registered, and detach them: the bound one, and any deleted
     from the module but still referenced elsewhere (their finalizers have not run). Call once validation passed."""
-    for hooks in (owner._state_dict_hooks, owner._load_state_dict_pre_hooks, owner._load_state_dict_post_hooks):
+    for hooks in state_dict_hook_tables(owner):
         for hook_id, registered in list(hooks.items()):
             hook = _unwrap(registered)
             if isinstance(hook, _Hook) and hook.name == name:
@@ -285,7 +295,7 @@ def take_over(owner: nn.Module, name: str) -> None:
 
 def _hooks_of(owner: nn.Module, name: str) -> list[_Hook]:
     # Every attribute registers one SaveHook until its finalizer runs: the hooks are the record of who owns what.
-    return [h for h in owner._state_dict_hooks.values() if isinstance(h, SaveHook) and h.name == name]
+    return [h for h in state_dict_hook_tables(owner)[0].values() if isinstance(h, SaveHook) and h.name == name]
 
 
 def _unwrap(hook: object) -> object:
@@ -296,19 +306,19 @@ def _unwrap(hook: object) -> object:
 def _occupied(owner: nn.Module, name: str) -> bool:
     return (
         name in owner.__dict__
-        or name in owner._parameters
-        or name in owner._buffers
-        or name in owner._modules
+        or name in parameters_of(owner)
+        or name in buffers_of(owner)
+        or name in submodules_of(owner)
         or hasattr(type(owner), name)
     )
 
 
 def _describe(owner: nn.Module, name: str) -> str:
-    if name in owner._parameters:
+    if name in parameters_of(owner):
         return "a parameter"
-    if name in owner._buffers:
+    if name in buffers_of(owner):
         return "a buffer"
-    if name in owner._modules:
+    if name in submodules_of(owner):
         return "a submodule"
     if name in owner.__dict__:
         return f"an instance attribute of type {type(owner.__dict__[name]).__name__}"
@@ -347,9 +357,10 @@ def _release(
     if owner is None:
         return
     save, load, loaded = hook_ids
-    owner._state_dict_hooks.pop(save, None)
-    owner._load_state_dict_pre_hooks.pop(load, None)
-    owner._load_state_dict_post_hooks.pop(loaded, None)
+    save_hooks, load_hooks, loaded_hooks = state_dict_hook_tables(owner)
+    save_hooks.pop(save, None)
+    load_hooks.pop(load, None)
+    loaded_hooks.pop(loaded, None)
     current = current_attribute(owner, name)
     kept = type(current)._derived(name) if current is not None else ()
     for derived_name in derived:
@@ -360,20 +371,20 @@ def _release(
 def set_persistent(owner: nn.Module, buffer: str, persist: bool) -> None:
     """Put the owner's buffer into its ``state_dict``, or take it out."""
     if persist:
-        owner._non_persistent_buffers_set.discard(buffer)
+        non_persistent_buffers_of(owner).discard(buffer)
     else:
-        owner._non_persistent_buffers_set.add(buffer)
+        non_persistent_buffers_of(owner).add(buffer)
 
 
 def remove_registered(owner: nn.Module, name: str, derived_name: str) -> None:
     """Remove what attribute ``name`` registered as ``derived_name``, unless a tensor registered there later by
     somebody else replaced it (see :meth:`OwnedAttribute._registers`)."""
-    tensor = owner._buffers.get(derived_name, owner._parameters.get(derived_name))
+    tensor = buffers_of(owner).get(derived_name, parameters_of(owner).get(derived_name))
     if tensor is not None and not _kind_of(name, derived_name)._registers(tensor):
         return
-    owner._parameters.pop(derived_name, None)
-    owner._buffers.pop(derived_name, None)
-    owner._non_persistent_buffers_set.discard(derived_name)
+    parameters_of(owner).pop(derived_name, None)
+    buffers_of(owner).pop(derived_name, None)
+    non_persistent_buffers_of(owner).discard(derived_name)
     owner.__dict__.pop(derived_name, None)
 
 
@@ -426,11 +437,11 @@ class _Hook:
 
 
 class SaveHook(_Hook):
-    __slots__ = ("_from_public_api",)  # set by register_state_dict_post_hook: the hook edits in place
+    __slots__ = (PUBLIC_STATE_DICT_HOOK_FLAG,)  # as register_state_dict_post_hook sets it: the hook edits in place
 
     def __init__(self, name: str, derived: tuple[str, ...]) -> None:
         super().__init__(name, derived)
-        self._from_public_api = True
+        setattr(self, PUBLIC_STATE_DICT_HOOK_FLAG, True)
 
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: object) -> None:
         attribute = current_attribute(module, self.name)
@@ -469,7 +480,7 @@ class LoadedHook(_Hook):
 
 def stored_tensor(owner: nn.Module, name: str) -> Tensor | None:
     """The buffer or parameter registered as ``name``; ``KeyError`` when there is neither."""
-    buffers = owner._buffers
+    buffers = buffers_of(owner)
     if name in buffers:
         return buffers[name]
-    return owner._parameters[name]
+    return parameters_of(owner)[name]

@@ -23,7 +23,18 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from modattrs._torch_private import (
+    FakeTensor,
+    FakeTensorMode,
+    active_fake_mode,
+    address_of,
+    buffers_of,
+    dispatch_mode_count,
+    parameters_of,
+    submodules_of,
+    version_of,
+)
 
 __all__ = ["cached"]
 
@@ -34,7 +45,7 @@ _local = threading.local()
 
 # Looked up once, for the hot path of read(). dynamo knows is_compiling by the function object, whatever its name.
 _compiling = torch.compiler.is_compiling
-_dispatch_modes = torch._C._len_torch_dispatch_stack  # how many dispatch modes are active
+_dispatch_modes = dispatch_mode_count
 
 
 @contextlib.contextmanager
@@ -153,9 +164,9 @@ def _modes_of(ref: Tensor) -> tuple[FakeTensorMode | None, FakeTensorMode | None
     """For a read of ``ref``: the fake mode it belongs to (None: outside every fake mode), the mode to enter to
     compute it (None: the current one), and whether its value may be kept."""
     own = ref.fake_mode if isinstance(ref, FakeTensor) else None
-    if not torch._C._len_torch_dispatch_stack():
+    if not dispatch_mode_count():
         return own, own, True  # a fake reference read outside its mode: in its mode, as the same state
-    active = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    active = active_fake_mode()
     if active is None:  # another kind of dispatch mode drives
         return None, own, False
     if own is not None and active is not own:  # another fake mode: computed as it is, for torch to refuse
@@ -190,7 +201,7 @@ class Entry:
         ref_implies_dtype: bool,
     ) -> None:
         self.ref = ref
-        self.impl = ref._cdata  # swap_tensors keeps the object and replaces this
+        self.impl = address_of(ref)  # swap_tensors keeps the object and replaces this
         self.dtype = dtype  # for dtype_from, whose dtype changes without the reference
         self.grad = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
@@ -209,27 +220,27 @@ class Entry:
         for table, name, saved, address, version, requires_grad in self.dependencies:
             # (_table, inlined: this runs on every cache hit.)
             if table == _BUFFERS:
-                current = owner._buffers.get(name, _MISSING)
+                current = buffers_of(owner).get(name, _MISSING)
             elif table == _PARAMETERS:
-                current = owner._parameters.get(name, _MISSING)
+                current = parameters_of(owner).get(name, _MISSING)
             else:
-                current = (owner._modules if table == _MODULES else owner.__dict__).get(name, _MISSING)
+                current = (submodules_of(owner) if table == _MODULES else owner.__dict__).get(name, _MISSING)
             if address is None:  # not a tensor: compared by identity, then equality
                 if current is not saved and not _equal(current, saved):
                     return False
                 continue
             if (
                 current is not saved
-                or current._cdata != address
+                or address_of(current) != address
                 or current.requires_grad is not requires_grad
-                or (version >= 0 and current._version != version)
+                or (version >= 0 and version_of(current) != version)
             ):
                 return False
         return True
 
     def current(self, owner: nn.Module, ref: Tensor, dtype: torch.dtype, mode: object) -> bool:
         """Whether the value still holds for a read of ``ref`` as ``dtype`` in fake mode ``mode`` (or none)."""
-        if self.ref is not ref or self.impl != ref._cdata or self.dtype is not dtype or self.mode is not mode:
+        if self.ref is not ref or self.impl != address_of(ref) or self.dtype is not dtype or self.mode is not mode:
             return False
         if not self.plain and (
             self.grad is not torch.is_grad_enabled() or self.inference is not torch.is_inference_mode_enabled()
@@ -289,10 +300,10 @@ _PARAMETERS, _BUFFERS, _MODULES, _ATTRIBUTES = range(4)
 def _table(owner: nn.Module, table: int) -> dict[str, Any]:
     # Looked up through the owner at each check: an entry holding the owner's dictionaries would be a cycle.
     if table == _PARAMETERS:
-        return owner._parameters
+        return parameters_of(owner)
     if table == _BUFFERS:
-        return owner._buffers
-    return owner._modules if table == _MODULES else owner.__dict__
+        return buffers_of(owner)
+    return submodules_of(owner) if table == _MODULES else owner.__dict__
 
 
 def snapshot_of(owner: nn.Module, names: tuple[str, ...], attribute: str) -> list[Dependency]:
@@ -314,8 +325,8 @@ def snapshot_of(owner: nn.Module, names: tuple[str, ...], attribute: str) -> lis
         if isinstance(current, Tensor):
             # Inference tensors have no version counter (and can be modified in place only in inference mode):
             # for them, identity and requires_grad only.
-            version = -1 if current.is_inference() else current._version
-            snapshot.append((table, name, current, current._cdata, version, current.requires_grad))
+            version = -1 if current.is_inference() else version_of(current)
+            snapshot.append((table, name, current, address_of(current), version, current.requires_grad))
         else:
             snapshot.append((table, name, current, None, None, None))
     return snapshot

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from modattrs._torch_private import set_state_dict_element
 
 __all__ = ["ResizingLoadPlanner"]
 
@@ -40,4 +41,4 @@ class ResizingLoadPlanner(DefaultLoadPlanner):
                 resized = value.new_empty(saved.size)
                 self.state_dict[key] = resized  # what DCP loads into
                 if self.flatten_state_dict:  # and the caller's (nested) state dict, which it returns
-                    set_element(self.original_state_dict, self.mappings[key], resized)
+                    set_state_dict_element(self.original_state_dict, self.mappings[key], resized)

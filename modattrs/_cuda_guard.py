@@ -27,6 +27,7 @@ import threading
 import torch
 
 from modattrs._spoofed_cuda import MAX_DEVICES, real_device_count
+from modattrs._torch_private import FakeTensorMode, cuda_initialization_skipped
 
 __all__ = ["MAX_DEVICES"]
 
@@ -124,29 +125,21 @@ def _initialize_bindings_without_a_driver() -> None:
 
     Before moving a tensor to CUDA (``.to``, ``.cuda()``, ``Module.to``), a binding calls ``torch.cuda._lazy_init``
     once per process, and only marks CUDA initialized if that returns: without a driver, it raises "Found no
-    NVIDIA driver", fake tensor or not. One fake tensor is moved while torch's own re-entrance flag
-    (``torch.cuda._tls.is_initializing``, private; there is no public way to do this, checked on torch 2.6, 2.8,
-    2.13 and 2.15) makes ``_lazy_init`` return at once in this thread. Python's ``torch.cuda`` stays uninitialized:
-    its functions still say there is no driver, and real CUDA tensors still cannot be made.
+    NVIDIA driver", fake tensor or not. One fake tensor is moved while torch's own re-entrance flag makes
+    ``_lazy_init`` return at once in this thread (``_torch_private.cuda_initialization_skipped``). Python's
+    ``torch.cuda`` stays uninitialized: its functions still say there is no driver, and real CUDA tensors still
+    cannot be made.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with FakeTensorMode():
         probe = torch.empty(0)
-    state = torch.cuda._tls
-    state.is_initializing = True
-    try:
+    with cuda_initialization_skipped():
         probe.to("cuda:0")
-    finally:
-        del state.is_initializing
 
 
 @functools.cache  # fixed for the build
 def attention_needs_the_driver() -> bool:
     """Whether ``scaled_dot_product_attention`` on fake CUDA tensors asks the driver about the GPU (torch 2.8's CUDA
     build does, to choose a kernel; 2.15 does not, nor does a build without CUDA). Sets up fake CUDA first."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     if gpu_present():
         return False
     require()
@@ -167,8 +160,6 @@ def _guard_switches_devices() -> bool:
     (2.8) call ``cudaSetDevice``, which fails without a driver ("CUDA driver version is insufficient"), for any
     device but the current one. Tried once, on a fake tensor on ``cuda:1``.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with FakeTensorMode():
         probe = torch.empty(1, device="cuda:1")
         try:

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor
+
+from modattrs._torch_private import FakeTensor
 
 __all__: list[str] = []
 

@@ -29,15 +29,22 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import (
+
+from modattrs import _cuda_guard, _spoofed_cuda
+from modattrs._torch_private import (
+    FAKE_DEVICE_ATTRIBUTE,
+    NORMALIZES_FAKE_DEVICE_APART,
     FakeTensor,
     FakeTensorConfig,
     FakeTensorConverter,
     FakeTensorMode,
+    call_as_meta,
+    fake_tensor_attributes,
+    forget_constant_aliases,
+    normalize_fake_device,
+    retype_converter,
+    wrap_meta,
 )
-from torch.utils.weak import WeakIdKeyDictionary
-
-from modattrs import _cuda_guard, _spoofed_cuda
 
 __all__: list[str] = []
 
@@ -93,7 +100,7 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
 
     def __init__(self) -> None:
         super().__init__(allow_non_fake_inputs=True)
-        self.fake_tensor_converter.__class__ = _Converter  # it adds no state: retyping beats building a second one
+        retype_converter(self, _Converter)
         # By normalized device: the attributes of the first fake tensor made there, or None when torch set one that
         # is not None (a later torch); see _wrap.
         self._fake_attributes: dict[torch.device, dict[str, Any] | None] = {}
@@ -141,18 +148,7 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         if func is aten.detach.default and type(first) is FakeTensor and first.fake_mode is self:
             if first.constant is not None:
                 _forget_constant(self, first)
-            device = first.device
-            # What in_kernel_invocation_manager does, without a generator: the fake tensor is seen as the meta
-            # tensor it is. Checked on torch 2.13.
-            was_in_kernel = self.in_kernel_invocation
-            with torch._C._DisableTorchDispatch(), torch._C._PreserveDispatchKeyGuard():
-                self.in_kernel_invocation = True
-                torch._C._set_meta_in_tls_dispatch_include(True)
-                try:
-                    meta = func(*args)
-                finally:
-                    self.in_kernel_invocation = was_in_kernel
-            return self._wrap(meta, device)
+            return self._wrap(call_as_meta(self, func, *args), first.device)
         factory = _FACTORIES.get(func)
         if factory is not None and kwargs.get("layout") in (None, torch.strided):
             device = torch.device(kwargs.get("device") or "cpu")
@@ -164,46 +160,37 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
 
         torch's constructor checks its arguments, normalizes the device twice and sets twenty attributes through
         descriptors: a third of the time a model takes to build in fake mode. Past the first fake tensor on a
-        device, this makes the tensor as that constructor does (``Tensor._make_subclass``, and the flag that
-        refuses access to its data pointer) and copies the first one's attributes, all None but the device. While
-        exporting, in torch's fake tensor debug mode, or if torch sets an attribute to anything else, it calls the
-        constructor. Checked on torch 2.13.
+        device, this makes the tensor as that constructor does and copies the first one's attributes, all None but
+        the device (see ``_torch_private.wrap_meta``). While exporting, in torch's fake tensor debug mode, or if torch
+        sets an attribute to anything else, it calls the constructor, and always on a torch whose constructor
+        normalizes the device inline (2.8).
         """
+        if not NORMALIZES_FAKE_DEVICE_APART:
+            return FakeTensor(self, meta, device)
         device = _normalized(device)
         attributes = self._fake_attributes.get(device)
         if attributes is None or FakeTensorConfig.debug or torch.compiler.is_exporting():
             fake = FakeTensor(self, meta, device)
             if device not in self._fake_attributes:
-                state = {name: value for name, value in vars(fake).items() if name != "fake_mode"}
-                plain = all(value is None for name, value in state.items() if name != "_fake_device")
-                self._fake_attributes[device] = state if plain and state.get("_fake_device") == device else None
+                state = fake_tensor_attributes(fake)
+                plain = all(value is None for name, value in state.items() if name != FAKE_DEVICE_ATTRIBUTE)
+                self._fake_attributes[device] = state if plain and state.get(FAKE_DEVICE_ATTRIBUTE) == device else None
             return fake
-        made = torch.Tensor._make_subclass(
-            FakeTensor, meta, meta.requires_grad, dispatch_device=True, device_for_backend_keys=device
-        )
-        if self._allow_unsafe_data_ptr_access:
-            torch._C._set_warn_deprecated_on_mutable_data_ptr(made)
-        else:
-            torch._C._set_throw_on_mutable_data_ptr(made)
-        state = vars(made)
-        state.update(attributes)
-        state["fake_mode"] = self
-        assert isinstance(made, FakeTensor)
-        return made
+        return wrap_meta(self, meta, device, attributes)
 
 
-#: Devices and what FakeTensor._normalize_fake_device makes of them, where that cannot change.
+#: Devices and what torch's fake device normalization makes of them, where that cannot change.
 _NORMALIZED: dict[torch.device, torch.device] = {}
 
 
 def _normalized(device: torch.device) -> torch.device:
-    """``FakeTensor._normalize_fake_device(device)``, remembered where its answer cannot change: a device with an
+    """``normalize_fake_device(device)``, remembered where its answer cannot change: a device with an
     index (``cuda:1`` stays ``cuda:1``; the GPU context it initializes stays initialized), a CPU or meta device, and
     ``cuda`` on a build without CUDA, which is ``cuda:0`` for good."""
     known = _NORMALIZED.get(device)
     if known is not None:
         return known
-    normalized = FakeTensor._normalize_fake_device(device)
+    normalized = normalize_fake_device(device)
     if (
         device.index is not None
         or device.type in ("cpu", "meta")
@@ -245,28 +232,10 @@ def _forget_constant(mode: FakeTensorMode, tensor: FakeTensor) -> None:
     ``torch.utils.swap_tensors``, which refuses tensors that have one. The detached tensor is made without its
     constant; the tensors it aliases forget theirs, which a write through it would leave stale.
     """
-    assert tensor.constant is not None
-    mode.fake_tensor_converter.invalidate_constant_aliases(tensor.constant)
-    tensor.constant = None  # in case torch's mapping did not list it
+    forget_constant_aliases(mode, tensor)
 
 
 def _plain_fake(tensor: object, mode: FakeTensorMode) -> bool:
     # The short paths are for ordinary fakes of this mode: fakes holding a constant (small tensors made from Python
     # values) take torch's path, which keeps the constant right.
     return type(tensor) is FakeTensor and tensor.fake_mode is mode and tensor.constant is None
-
-
-def forget_real_tensors(mode: FakeTensorMode) -> None:
-    """Drop the mode's weak references to the real tensors it made fakes of, once the mode is left.
-
-    The converter keeps them (to give one real tensor one fake) for as long as the mode lives, and
-    ``torch.utils.swap_tensors``, which ``Module.to`` uses in swap mode, refuses a tensor that has one: a module read
-    inside ``fake_mode()`` could not be moved while the mode object lived. A later use of the mode makes new fakes
-    of the real tensors it meets. torch has no public way to do this (checked on 2.13).
-
-    The mappings are replaced, not cleared: ``clear()`` pops each entry, calling its weak reference, and on torch
-    2.8 doing that to the storages' entries leaves the process to crash in a segmentation fault when it exits.
-    """
-    describer = mode.fake_tensor_converter.meta_converter.describer
-    describer.lookup_tensor = WeakIdKeyDictionary()
-    describer.lookup_storage = WeakIdKeyDictionary()

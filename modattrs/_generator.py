@@ -39,11 +39,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
 from modattrs._record import DeferredInitError, Point, Position, Record, draws_on_cpu, scratch_arguments
+from modattrs._torch_private import FakeTensor, disable_current_modes
 
 __all__: list[str] = []
 
@@ -94,14 +93,14 @@ def suspended() -> Iterator[None]:
 
 
 def real_state() -> torch.Tensor:
-    with _disable_current_modes():  # inside fake modes too, a generator's state is a real tensor
+    with disable_current_modes():  # inside fake modes too, a generator's state is a real tensor
         return torch.default_generator.get_state()
 
 
 def same(state: torch.Tensor, other: torch.Tensor | None) -> bool:
     if other is None:
         return False
-    with _disable_current_modes():
+    with disable_current_modes():
         return torch.equal(state, other)
 
 
@@ -315,7 +314,7 @@ def replaying(record: Record, device: torch.device | None, resolve: Resolve, *, 
     """
     with lock:
         keep = to_end and (position() is record.point or epoch == record.point_epoch)
-        with suspended(), _disable_current_modes(), torch.no_grad():
+        with suspended(), disable_current_modes(), torch.no_grad():
             saved = real_state()
             default_dtype = torch.get_default_dtype()
             walk = Walk(record, device, resolve)

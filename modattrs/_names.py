@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+from modattrs._torch_private import OpOverload
 
 __all__: list[str] = []
 
@@ -10,7 +10,7 @@ __all__: list[str] = []
 def callable_name(obj: object) -> str:
     """``module.qualname`` of a function or class, the schema name of an aten operation, the name of a Python
     module, or else the name of the object's type."""
-    if isinstance(obj, torch._ops.OpOverload):
+    if isinstance(obj, OpOverload):
         return str(obj)
     qualname = getattr(obj, "__qualname__", None)
     if qualname is None:

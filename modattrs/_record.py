@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from modattrs._names import callable_name
+from modattrs._torch_private import OpOverload, TreeSpec, tree_unflatten, version_of
 
 __all__: list[str] = []
 
@@ -88,7 +88,7 @@ class Op:
 
     @property
     def opaque(self) -> bool:
-        return not isinstance(self.func, torch._ops.OpOverload)
+        return not isinstance(self.func, OpOverload)
 
     def arguments(
         self,
@@ -103,7 +103,7 @@ class Op:
         for position, tensor in tensors.items():
             flat[position] = tensor
         for position, constant, version in self.constant_slots:
-            if constant._version != version:
+            if version_of(constant) != version:
                 raise DeferredInitError(
                     f"a real tensor ({tuple(constant.shape)}, {constant.dtype}) given to {self.name} while recording "
                     "was changed in place since; the recorded "

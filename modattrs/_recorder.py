@@ -26,21 +26,29 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensor,
-    UnsupportedFakeTensorException,
-    UnsupportedOperatorException,
-)
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import TreeSpec, tree_flatten
 
 from modattrs import _cuda_guard, _generator, _torch_changes
 from modattrs._fake_tensors import ModattrsFakeTensorMode
 from modattrs._names import callable_name
 from modattrs._record import DeferredInitError, Draws, Key, Op, Record, Slot, scratch_arguments
+from modattrs._torch_private import (
+    SAMPLE_DIRICHLET,
+    STANDARD_GAMMA,
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    OpOverload,
+    TreeSpec,
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+    address_of,
+    disable_current_modes,
+    forget_fake,
+    tree_flatten,
+    version_of,
+    written_arguments,
+)
 
 __all__: list[str] = []
 
@@ -78,7 +86,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             except (DataDependentOutputException, DynamicOutputShapeException) as error:
                 raise _needs_values(callable_name(func)) from error
             except (UnsupportedFakeTensorException, UnsupportedOperatorException) as error:
-                if isinstance(func, torch._ops.OpOverload) and func.namespace == "c10d":
+                if isinstance(func, OpOverload) and func.namespace == "c10d":
                     raise DeferredInitError(
                         f"{callable_name(func)} ({where()}) is a collective that would send data between ranks "
                         "while deferred (distribute_tensor and parallelize_module send rank 0's values unless "
@@ -148,12 +156,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
     def forget(self, tensor: FakeTensor) -> None:
         """Drop the weak references torch's fake tensor machinery keeps to ``tensor`` (the memo of fakes made from
         real tensors, and of constants), which ``torch.utils.swap_tensors`` would refuse."""
-        converter = self.fake_tensor_converter
-        memo = converter.meta_converter.tensor_memo
-        for key in [key for key, value in memo.items() if value is tensor]:
-            del memo[key]
-        for refs in converter.constant_storage_mapping.values():
-            refs[:] = [ref for ref in refs if ref() is not tensor]
+        forget_fake(self, tensor)
 
     # --- recording --------------------------------------------------------------------------------------------------
 
@@ -198,7 +201,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 )
                 flat[position] = None
             elif isinstance(value, torch.Tensor):  # a real tensor from outside (torch.tensor(...), a loaded weight)
-                constant_slots.append((position, value, value._version))
+                constant_slots.append((position, value, version_of(value)))
                 flat[position] = None
             elif isinstance(value, torch.device):
                 device_slots.append(position)
@@ -207,7 +210,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             elif isinstance(value, torch.Generator) and not _is_default(value):
                 generators.append((position, value))
         draws = Draws.NONE if not random else Draws.EXPLICIT if generators else Draws.DEFAULT
-        value_writer = not isinstance(func, torch._ops.OpOverload) or func in _VALUE_WRITERS
+        value_writer = not isinstance(func, OpOverload) or func in _VALUE_WRITERS
         return _Pending(
             func=func,
             flat=flat,
@@ -314,7 +317,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
 
     def _storage_of(self, tensor: torch.Tensor) -> int:
         storage = tensor.untyped_storage()
-        address: int = storage._cdata
+        address: int = address_of(storage)
         if address not in self.record.storages:
             self.record.storages[address] = storage
         return address
@@ -354,7 +357,7 @@ class ValueReads(TorchFunctionMode):
             return func(*args, **kwargs)
         tensor = args[0]
         if not isinstance(tensor, FakeTensor):
-            with _disable_current_modes():
+            with disable_current_modes():
                 return func(*args, **kwargs)
         if isinstance(tensor.fake_mode, RecordingFakeTensorMode) and _skips_dispatch(name, tensor, args):
             raise _needs_values(name)
@@ -426,7 +429,7 @@ _VALUE_WRITERS = frozenset(
 def _reads(pending: _Pending) -> frozenset[int]:
     """The storages whose values an operation reads: a view reads none (what it views is written later, or
     before, by operations that count), an overwrite does not read what it overwrites."""
-    if isinstance(pending.func, torch._ops.OpOverload) and pending.func.is_view:
+    if isinstance(pending.func, OpOverload) and pending.func.is_view:
         return frozenset()
     return frozenset(slot.storage for slot in pending.slots if slot.storage not in pending.overwrites)
 
@@ -469,14 +472,14 @@ def _no_draw() -> None:
 
 def _advance(op: Op, generators: Mapping[int, torch.Generator]) -> None:
     """Run an operation that draws from explicit generators for real, on scratch tensors, to advance them."""
-    with _disable_current_modes(), torch.no_grad():
+    with disable_current_modes(), torch.no_grad():
         args, kwargs = op.arguments(scratch_arguments(op, None), None, generators)
         op.func(*args, **kwargs)
 
 
 def _reads_values(pending: _Pending) -> bool:
     """Whether the operation draws as many numbers as the values of fake tensors say (opaque ones might)."""
-    value_dependent = pending.func in _VALUE_DEPENDENT_DRAWS or not isinstance(pending.func, torch._ops.OpOverload)
+    value_dependent = pending.func in _VALUE_DEPENDENT_DRAWS or not isinstance(pending.func, OpOverload)
     return value_dependent and any(not slot.written for slot in pending.slots)
 
 
@@ -485,8 +488,8 @@ _VALUE_DEPENDENT_DRAWS = frozenset(
     {
         torch.ops.aten.poisson.default,
         torch.ops.aten.binomial.default,
-        torch.ops.aten._standard_gamma.default,
-        torch.ops.aten._sample_dirichlet.default,
+        STANDARD_GAMMA,
+        SAMPLE_DIRICHLET,
         torch.ops.aten.multinomial.default,
     }
 )
@@ -498,12 +501,7 @@ def _mutated_arguments(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
     """The tensors that an aten operation writes in place, from its schema."""
     written = _MUTATED.get(func)
     if written is None:
-        written = tuple(
-            (index, argument.name)
-            for index, argument in enumerate(func._schema.arguments)
-            if argument.alias_info is not None and argument.alias_info.is_write
-        )
-        _MUTATED[func] = written
+        written = _MUTATED[func] = written_arguments(func)
     tensors: list[torch.Tensor] = []
     for index, name in written:
         value = args[index] if index < len(args) else kwargs.get(name)
@@ -541,6 +539,4 @@ def where() -> str:
 
 def _is_default(generator: torch.Generator) -> bool:
     # The dispatcher hands the default generator over as a new Python object: compare what it wraps.
-    address: int = generator._cdata  # type: ignore[attr-defined]
-    default: int = torch.default_generator._cdata  # type: ignore[attr-defined]
-    return address == default
+    return address_of(generator) == address_of(torch.default_generator)

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from modattrs import _generator
 from modattrs._record import DeferredInitError, Op, Point, Record
+from modattrs._torch_private import OpOverload, tree_flatten
 
 __all__: list[str] = []
 
@@ -174,7 +174,7 @@ def _refuse_collectives(
 
 
 def _is_collective(func: object) -> bool:
-    return isinstance(func, torch._ops.OpOverload) and func.namespace in _COLLECTIVE_NAMESPACES
+    return isinstance(func, OpOverload) and func.namespace in _COLLECTIVE_NAMESPACES
 
 
 # c10d: the collectives torch.distributed calls (scatter_, broadcast_, allreduce_, ...); the others: functional

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.nn.modules.module import _WrappedHook
-
 from modattrs._attribute import LoadedHook, LoadHook, SaveHook, _rebuild
 from modattrs._cache import Cache
+from modattrs._torch_private import WrappedHook
 from modattrs.shaped import ShapedTensor
 from modattrs.virtual import VirtualTensor
 
@@ -25,4 +24,4 @@ def safe_globals() -> list[Any]:
     or, for one load only, ``with torch.serialization.safe_globals([...]):``. A callable materializer (a
     function rather than a method name) must be allowed too. Loading a ``state_dict`` needs none of this.
     """
-    return [VirtualTensor, ShapedTensor, _rebuild, SaveHook, LoadHook, LoadedHook, Cache, _WrappedHook]
+    return [VirtualTensor, ShapedTensor, _rebuild, SaveHook, LoadHook, LoadedHook, Cache, WrappedHook]

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from modattrs import _cuda_guard, _fake_backward, _generator, _spoofed_cuda
 from modattrs._fake_tensors import ModattrsFakeTensorMode
+from modattrs._torch_private import TRUNC_NORMAL_HELPER, FakeTensor, import_dynamo, math_attention
 
 __all__: list[str] = []
 
@@ -58,7 +58,7 @@ def install() -> None:
         # 1. torch._dynamo wraps torch.manual_seed when it is imported (so that compiled code does not trace into
         #    it), and only if torch.manual_seed is still torch.random.manual_seed. The first fake tensor operation
         #    imports it anyway; importing it first means change 4 always wraps the same functions.
-        import torch._dynamo
+        import_dynamo()
 
         # 2. torch warns that reading the data pointer of a fake tensor is a bug, and copy.deepcopy of any tensor
         #    reads it (nn.Transformer deep-copies its layers): that one warning is silenced.
@@ -67,7 +67,7 @@ def install() -> None:
         # 3. torch.nn.init.trunc_normal_ samples by rejection, reading values (.item(), mask.any()) that fake tensors
         #    do not have, and has no __torch_function__ hook: its helper, which every caller (transformers' copy
         #    too) goes through, hands fake tensors to their mode (deferred_init records the call as one step).
-        _replace(torch.nn.init, "_no_grad_trunc_normal_", _trunc_normal_for_fakes)
+        _replace(torch.nn.init, TRUNC_NORMAL_HELPER, _trunc_normal_for_fakes)
         # 4. Fake tensors draw nothing, so deferred_init keeps track of where eager code would have the default
         #    CPU generator (see _generator); a reseed or a state put back must be seen, also one that sets the state
         #    the generator already has. Both names of each function are wrapped.
@@ -171,10 +171,7 @@ def _math_attention_for_spoofed_cuda(original: Callable[..., torch.Tensor]) -> C
     ) -> torch.Tensor:
         if not (isinstance(query, FakeTensor) and query.device.type == "cuda"):
             return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-        output: torch.Tensor = torch.ops.aten._scaled_dot_product_attention_math(
-            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-        )[0]
-        return output
+        return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
 
     return scaled_dot_product_attention
 

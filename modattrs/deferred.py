@@ -23,7 +23,6 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 from modattrs import _torch_changes
 from modattrs._attribute import own_attributes
@@ -33,6 +32,21 @@ from modattrs._names import callable_name
 from modattrs._record import DeferredInitError
 from modattrs._recorder import RecordingFakeTensorMode, ValueReads
 from modattrs._replay import replay
+from modattrs._torch_private import (
+    TABLE_NAMES,
+    FakeTensor,
+    buffers_of,
+    dtensor_local,
+    fsdp_padded_shards,
+    hooks_of,
+    parameters_of,
+    rebuild_rnn_weights,
+    release_rnn_weights,
+    restore_hooks,
+    rnn_flat_weights,
+    use_count,
+    view_base_of,
+)
 from modattrs.virtual import VirtualTensor
 
 __all__ = [
@@ -102,12 +116,12 @@ def _detach_graphs(module: nn.Module) -> None:
     it saved, which swap_tensors would then refuse.
     """
     for submodule in module.modules():
-        for name, buffer in submodule._buffers.items():
+        for name, buffer in buffers_of(submodule).items():
             if buffer is not None and buffer.grad_fn is not None:
-                submodule._buffers[name] = buffer.detach()
+                buffers_of(submodule)[name] = buffer.detach()
         attributes = vars(submodule)
         for name, value in list(attributes.items()):
-            if name not in ("_parameters", "_buffers", "_modules"):
+            if name not in TABLE_NAMES:
                 attributes[name] = _detached(value)
 
 
@@ -311,15 +325,15 @@ def _recurrent_weights_released(scope: list[nn.Module], tensors: list[tuple[str,
     layers = {
         id(layer): layer
         for layer in scope
-        if isinstance(layer, nn.RNNBase) and any(id(weight) in ids for weight in layer._flat_weights)
+        if isinstance(layer, nn.RNNBase) and any(id(weight) in ids for weight in rnn_flat_weights(layer))
     }.values()
     for layer in layers:
-        layer._flat_weight_refs = []
+        release_rnn_weights(layer)
     try:
         yield
     finally:
         for layer in layers:
-            layer._init_flat_weights()
+            rebuild_rnn_weights(layer)
 
 
 def _check_swappable(tensors: list[tuple[str, FakeTensor]]) -> None:
@@ -327,8 +341,9 @@ def _check_swappable(tensors: list[tuple[str, FakeTensor]]) -> None:
     weak references to some) has let go of it."""
     views_of: dict[int, int] = {}
     for _, tensor in tensors:
-        if tensor._base is not None:
-            views_of[id(tensor._base)] = views_of.get(id(tensor._base), 0) + 1
+        base = view_base_of(tensor)
+        if base is not None:
+            views_of[id(base)] = views_of.get(id(base), 0) + 1
     for label, tensor in tensors:
         mode = _recording_mode(tensor)
         assert mode is not None
@@ -341,7 +356,7 @@ def _check_swappable(tensors: list[tuple[str, FakeTensor]]) -> None:
         # A fake view holds its base twice (the view's and its meta tensor's view information); the views are
         # swapped first and let go of it.
         allowed = 1 + 2 * views_of.get(id(tensor), 0) + (1 if tensor.is_leaf and tensor.requires_grad else 0)
-        if tensor._use_count() > allowed:  # type: ignore[attr-defined]
+        if use_count(tensor) > allowed:
             raise DeferredInitError(
                 f"{label} cannot be made real in place: other tensors hold it (a view of it outside the module, or "
                 "the autograd graph of a fake forward pass whose outputs are still alive); drop them first"
@@ -350,10 +365,10 @@ def _check_swappable(tensors: list[tuple[str, FakeTensor]]) -> None:
 
 def _swap(swaps: list[tuple[str, FakeTensor, Tensor]]) -> None:
     """Swap each real twin into its fake tensor object: views first, then the tensors they view."""
-    swaps.sort(key=lambda swap: swap[1]._base is None)
+    swaps.sort(key=lambda swap: view_base_of(swap[1]) is None)
     while swaps:
         label, tensor, twin = swaps.pop(0)
-        hooks = (tensor._backward_hooks, getattr(tensor, "_post_accumulate_grad_hooks", None))
+        hooks = hooks_of(tensor)
         try:
             torch.utils.swap_tensors(tensor, twin)  # type: ignore[no-untyped-call]
         except RuntimeError as error:  # checked for before: not expected
@@ -361,10 +376,7 @@ def _swap(swaps: list[tuple[str, FakeTensor, Tensor]]) -> None:
                 f"{label} could not be made real in place ({error}); the tensors listed before it were"
             ) from error
         del twin  # now the fake half: let go of it, and of the base it may hold
-        if hooks[0]:  # hooks live on the tensor's autograd data, which the swap replaced
-            tensor._backward_hooks = hooks[0]
-        if hooks[1]:
-            tensor._post_accumulate_grad_hooks = hooks[1]
+        restore_hooks(tensor, hooks)  # they live on the tensor's autograd data, which the swap replaced
 
 
 def _real_twin(label: str, fake: FakeTensor, real: Tensor, device: torch.device | None) -> Tensor:
@@ -445,14 +457,14 @@ def _own_tensors(module: nn.Module, prefix: str, *, buffers_only: bool) -> Itera
     by FSDP2 or by tensor parallelism), the local tensor it wraps, which is what the record made."""
     kind = type(module).__name__
     if not buffers_only:
-        for name, parameter in module._parameters.items():
+        for name, parameter in parameters_of(module).items():
             if parameter is not None:
                 yield _local(f"parameter {_join(prefix, name)!r} ({kind})", parameter)
-    for name, buffer in module._buffers.items():
+    for name, buffer in buffers_of(module).items():
         if buffer is not None:
             yield _local(f"buffer {_join(prefix, name)!r} ({kind})", buffer)
     for name, value in vars(module).items():
-        if name not in ("_parameters", "_buffers", "_modules"):
+        if name not in TABLE_NAMES:
             for path, tensor in _tensors_in(value, name, set()):
                 yield _local(f"tensor attribute {_join(prefix, path)!r} ({kind})", tensor)
 
@@ -464,10 +476,7 @@ def _local(label: str, tensor: Tensor) -> tuple[str, Tensor]:
     dtensor_type = _dtensor_type()
     if dtensor_type is None or not isinstance(tensor, dtensor_type):
         return label, tensor
-    # DTensor._local_tensor (torch 2.13): DTensor.to_local() returns another tensor object each time, and
-    # swap_tensors has to reach the one the DTensor holds; torch has no public accessor for it.
-    local: Tensor = tensor._local_tensor  # type: ignore[attr-defined]
-    return f"{label} (this rank's local tensor of the DTensor)", local
+    return f"{label} (this rank's local tensor of the DTensor)", dtensor_local(tensor)
 
 
 def _dtensor_type() -> type[Tensor] | None:
@@ -483,25 +492,10 @@ def _fsdp_shards(module: nn.Module, prefix: str) -> Iterator[tuple[str, Tensor]]
     tensor flat, next to the DTensor parameter whose local tensor is a view of its first rows; all-gathers read it.
     Materialized with the parameter (they share storage), it stays a view of the same real storage, as FSDP2 made it.
     """
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    fsdp_module_type = getattr(fsdp, "FSDPModule", None)
-    if fsdp_module_type is None or not isinstance(module, fsdp_module_type):
-        return
-    # FSDPModule._get_fsdp_state(), FSDPState._fsdp_param_groups, FSDPParamGroup.fsdp_params and
-    # FSDPParam._sharded_param_data / _module_info (torch 2.13): FSDP2 has no public API to reach the storage its
-    # all-gathers read, nor one to rebuild it after the parameter's local tensor changed (reset_sharded_param is
-    # private too, and it copies into new storage when the shard is padded). torch 2.8 has one group per state,
-    # as _fsdp_param_group (None when the unit manages no parameter).
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        groups = [group] if (group := state._fsdp_param_group) is not None else []
-    for group in groups:
-        for fsdp_param in group.fsdp_params:
-            info = fsdp_param._module_info
-            owner = next((path for path, sub in module.named_modules() if sub is info.module), "?")
-            name = _join(_join(prefix, owner) if owner else prefix, info.param_name)
-            yield f"FSDP2's padded shard of parameter {name!r}", fsdp_param._sharded_param_data
+    for holder, parameter_name, shard in fsdp_padded_shards(module):
+        owner = next((path for path, sub in module.named_modules() if sub is holder), "?")
+        name = _join(_join(prefix, owner) if owner else prefix, parameter_name)
+        yield f"FSDP2's padded shard of parameter {name!r}", shard
 
 
 def _tensors_in(value: object, path: str, seen: set[int]) -> Iterator[tuple[str, Tensor]]:

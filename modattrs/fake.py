@@ -17,11 +17,17 @@ from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 
 from modattrs import _spoofed_cuda, _torch_changes
-from modattrs._fake_tensors import ModattrsFakeTensorMode, check_device, forget_real_tensors
+from modattrs._fake_tensors import ModattrsFakeTensorMode, check_device
 from modattrs._spoofed_cuda import A100, GPU, H100
+from modattrs._torch_private import (
+    FakeTensor,
+    FakeTensorMode,
+    active_fake_mode,
+    forget_real_tensors,
+    unset_fake_temporarily,
+)
 
 __all__ = ["A100", "GPU", "H100", "fake_copy", "fake_mode", "is_fake", "meta_like"]
 
@@ -152,5 +158,5 @@ def _fake_of(mode: FakeTensorMode, name: str, tensor: Tensor, device: torch.devi
 
 
 def _active_mode() -> ModattrsFakeTensorMode | None:
-    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    mode = active_fake_mode()
     return mode if isinstance(mode, ModattrsFakeTensorMode) else None

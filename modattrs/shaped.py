@@ -7,9 +7,9 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 from modattrs._attribute import OwnedAttribute, set_persistent, stored_tensor
+from modattrs._torch_private import FakeTensor, buffers_of, non_persistent_buffers_of, parameters_of
 
 __all__ = ["ShapedTensor"]
 
@@ -208,13 +208,13 @@ class ShapedTensor(OwnedAttribute):
     def persist_data(self) -> bool:
         """Whether the data is in the owner's ``state_dict``; settable for buffer data."""
         owner = self._live_owner()
-        return self._data_name not in owner._non_persistent_buffers_set
+        return self._data_name not in non_persistent_buffers_of(owner)
 
     @persist_data.setter
     def persist_data(self, persist: bool) -> None:
         with self._lock:
             owner = self._live_owner()
-            if self._data_name in owner._parameters:
+            if self._data_name in parameters_of(owner):
                 if not persist:
                     raise ValueError(f"ShapedTensor {self._name!r}: parameter data is always in the state_dict")
                 return
@@ -315,8 +315,8 @@ class ShapedTensor(OwnedAttribute):
 
     def _store(self, owner: nn.Module, value: Tensor | None) -> None:
         name = self._data_name
-        if name in owner._parameters and isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
-            current = owner._parameters[name]
+        if name in parameters_of(owner) and isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
+            current = parameters_of(owner)[name]
             if current is None or isinstance(current, _UNINITIALIZED):
                 value = nn.Parameter(value)  # the data stays a parameter
             else:
@@ -365,7 +365,7 @@ class ShapedTensor(OwnedAttribute):
                 error_msgs.append(f"invalid constraints for {prefix}{self._name}: {error}")
                 self._keep_data(state_dict, data_key, current)
                 return
-        persistent = self._data_name not in owner._non_persistent_buffers_set
+        persistent = self._data_name not in non_persistent_buffers_of(owner)
         loaded = state_dict.get(data_key) if persistent else None
         if not isinstance(loaded, Tensor) and constraints is self._constraints:
             return  # nothing of this attribute changes: its current data is not this load's business
@@ -426,7 +426,7 @@ class ShapedTensor(OwnedAttribute):
 
 
 def _occupied_by_tensor(owner: nn.Module, name: str) -> bool:
-    return name in owner._buffers or name in owner._parameters
+    return name in buffers_of(owner) or name in parameters_of(owner)
 
 
 def _without_values(tensor: object) -> bool:

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from modattrs import _cache
 from modattrs._attribute import OwnedAttribute, own_attributes, set_persistent
 from modattrs._cache import Cache
+from modattrs._torch_private import buffers_of, non_persistent_buffers_of, parameters_of, parse_to, submodules_of
 
 __all__ = ["VirtualTensor", "sync_references"]
 
@@ -178,7 +179,7 @@ class VirtualTensor(OwnedAttribute):
         owner = self._owner_ref()
         if owner is None:
             raise self._owner_gone()
-        ref = owner._buffers.get(self._ref_name)
+        ref = buffers_of(owner).get(self._ref_name)
         if ref is not None and ref is self._plain_ref and not _cache.open_scopes:
             # The hot path: nothing kept, nothing to decide (see _compute, which sets _plain_ref).
             dtype = self._dtype or ref.dtype  # dtypes are truthy: this reads "the fixed dtype, if any"
@@ -295,7 +296,7 @@ class VirtualTensor(OwnedAttribute):
                     f"VirtualTensor {self._name!r}: a {self._dtype} value cannot follow the module's dtype; "
                     "set a floating-point dtype first"
                 )
-            owner._buffers[self._ref_name] = _make_reference(self._name, self._dtype, ref.device, like=ref)
+            buffers_of(owner)[self._ref_name] = _make_reference(self._name, self._dtype, ref.device, like=ref)
             self._dtype = None
         elif not follow and self._dtype is None:
             self._dtype = ref.dtype
@@ -304,7 +305,7 @@ class VirtualTensor(OwnedAttribute):
     @property
     def persist(self) -> bool:
         """Whether the reference buffer is in the owner's ``state_dict``; settable at any time."""
-        return self._ref_name not in self._live_owner()._non_persistent_buffers_set
+        return self._ref_name not in non_persistent_buffers_of(self._live_owner())
 
     @persist.setter
     def persist(self, persist: bool) -> None:
@@ -326,7 +327,7 @@ class VirtualTensor(OwnedAttribute):
         ref = self._reference(owner)
         kwargs.pop("copy", None)
         try:
-            device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+            device, dtype, _, _ = parse_to(*args, **kwargs)
         except (TypeError, RuntimeError) as error:
             raise type(error)(f"VirtualTensor {self._name!r}: invalid arguments for to(): {error}") from None
         if dtype is not None:
@@ -341,7 +342,7 @@ class VirtualTensor(OwnedAttribute):
         ref_dtype = dtype if self._dtype is None else ref.dtype
         if ref.device != device or ref.dtype != ref_dtype:
             # A new empty reference rather than ref.to(): a meta reference has no data to copy.
-            owner._buffers[self._ref_name] = _make_reference(self._name, ref_dtype, device, like=ref)
+            buffers_of(owner)[self._ref_name] = _make_reference(self._name, ref_dtype, device, like=ref)
         if self._dtype is not None and self._dtype is not dtype:
             self._dtype = dtype
             self.invalidate()
@@ -381,7 +382,7 @@ class VirtualTensor(OwnedAttribute):
         # loads into a module that does not persist it, and one without the key (saved with persist=False, or
         # before the attribute existed) loads into a module that does.
         key = prefix + self._ref_name
-        ref = owner._buffers.get(self._ref_name)
+        ref = buffers_of(owner).get(self._ref_name)
         if ref is None:
             return
         if ref.numel():
@@ -406,7 +407,7 @@ class VirtualTensor(OwnedAttribute):
             state_dict[key] = incoming.new_empty(0, dtype=ref.dtype)
 
     def _on_state_dict(self, owner: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
-        ref = owner._buffers.get(self._ref_name)
+        ref = buffers_of(owner).get(self._ref_name)
         if ref is not None and ref.numel():
             raise self._reference_taken(owner, ref)
 
@@ -421,7 +422,7 @@ class VirtualTensor(OwnedAttribute):
         # load_state_dict(assign=True) into a meta-built module replaces parameters and persistent buffers but
         # leaves a non-persistent reference on meta, and may assign a persisted reference of any dtype. Put the
         # reference where the loaded data is.
-        ref = owner._buffers.get(self._ref_name)
+        ref = buffers_of(owner).get(self._ref_name)
         if ref is None or ref.numel():
             return
         follows = self._dtype is None
@@ -432,7 +433,7 @@ class VirtualTensor(OwnedAttribute):
             return
         device = loaded.device if ref.is_meta else ref.device
         dtype = loaded.dtype if follows else ref.dtype
-        owner._buffers[self._ref_name] = _make_reference(self._name, dtype, device, like=ref)
+        buffers_of(owner)[self._ref_name] = _make_reference(self._name, dtype, device, like=ref)
 
     def __repr__(self) -> str:
         return f"VirtualTensor(name={self._name!r}, materializer={self._materializer_name()}, {self._where()})"
@@ -440,7 +441,7 @@ class VirtualTensor(OwnedAttribute):
     def _reference(self, owner: nn.Module | None = None) -> Tensor:
         """The reference buffer, of ``owner`` when the caller has looked it up already."""
         owner = self._live_owner() if owner is None else owner
-        ref = owner._buffers.get(self._ref_name)
+        ref = buffers_of(owner).get(self._ref_name)
         if ref is None:
             raise self._reference_gone()
         if ref.numel():
@@ -525,7 +526,7 @@ def _check_depends_on(owner: nn.Module, name: str, depends_on: object) -> tuple[
     for dependency in depends_on:
         if not isinstance(dependency, str):
             raise TypeError(f"VirtualTensor {name!r}: depends_on must name attributes, got {dependency!r}")
-        tables = (owner._parameters, owner._buffers, owner._modules, owner.__dict__)
+        tables = (parameters_of(owner), buffers_of(owner), submodules_of(owner), owner.__dict__)
         if not any(dependency in table for table in tables):
             raise AttributeError(
                 f"VirtualTensor {name!r}: depends_on names {dependency!r}, which is not a parameter, buffer, "

@@ -1,0 +1,391 @@
+"""Every private name of torch that modattrs uses, and why.
+
+Some of what modattrs does has no public API in torch: fake tensors live in ``torch._subclasses``, a module's
+parameter, buffer and hook tables are underscore attributes, a tensor's version counter is ``_version``. Each of
+those names is reached through this module and nowhere else (``tests/test_package_layout.py`` checks the source),
+with a comment that says what public API is missing and the torch releases it was checked on: CI runs the suite on
+2.8.0, 2.13.0 and the newest release (``tox.ini``), so a name that moves in a new release fails here first.
+
+"Checked on 2.8 to 2.15" means 2.8.0, 2.13.0 and 2.15.0, the builds of the CI matrix when this was written.
+
+Not names, but torch internals all the same: ``_fake_tensors.ModattrsFakeTensorMode`` subclasses FakeTensorMode and
+overrides its ``avoid_device_init`` property, and ``_torch_changes`` replaces functions of ``torch.nn.init``,
+``torch.autograd``, ``torch.random`` and ``torch.cuda`` (each listed in ``docs/torch_changes.rst``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+# The aten operator class: its public alias torch.ops.OpOverload is not typed. Checked on 2.8 to 2.15.
+from torch._ops import OpOverload
+
+# Fake tensors and their mode: the classes themselves are private, documented in torch's fake tensor notes and
+# used across torch (export, dynamo, FSDP's meta init); there is no public module. Checked on 2.8 to 2.15.
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorConfig,
+    FakeTensorConverter,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+    unset_fake_temporarily,
+)
+
+# Leaving every dispatch mode of this thread for a block (a generator state is a real tensor, also inside a fake
+# mode): no public API. Checked on 2.8 to 2.15.
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
+
+# Flattening nested arguments the way the dispatcher does: torch has no public pytree module. Checked on 2.8 to 2.15.
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+__all__ = [
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
+    "FakeTensor",
+    "FakeTensorConfig",
+    "FakeTensorConverter",
+    "FakeTensorMode",
+    "OpOverload",
+    "TreeSpec",
+    "UnsupportedFakeTensorException",
+    "UnsupportedOperatorException",
+    "disable_current_modes",
+    "tree_flatten",
+    "tree_unflatten",
+    "unset_fake_temporarily",
+]
+
+# --- dispatch modes --------------------------------------------------------------------------------------------------
+
+#: How many dispatch modes are active in this thread. No public function answers this; the hot path of a
+#: VirtualTensor read asks it. Checked on 2.8 to 2.15.
+dispatch_mode_count: Callable[[], int] = torch._C._len_torch_dispatch_stack
+
+
+def active_fake_mode() -> FakeTensorMode | None:
+    """The fake mode active in this thread, wherever it sits in the mode stack. torch's public
+    ``torch._guards.detect_fake_mode`` also looks at tensors and is slower. Checked on 2.8 to 2.15."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    return mode if isinstance(mode, FakeTensorMode) else None
+
+
+# --- fake tensors: making them, and the mode's memory of real tensors ------------------------------------------------
+
+
+def call_as_meta(mode: FakeTensorMode, func: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """``func(*args)`` with the mode's fake tensors seen as the meta tensors they are: what torch's
+    ``in_kernel_invocation_manager`` does, without its generator context manager (a third of a fake detach). No
+    public API; checked on 2.8 to 2.15."""
+    was_in_kernel = mode.in_kernel_invocation
+    with torch._C._DisableTorchDispatch(), torch._C._PreserveDispatchKeyGuard():
+        mode.in_kernel_invocation = True
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            return func(*args)
+        finally:
+            mode.in_kernel_invocation = was_in_kernel
+
+
+#: Whether FakeTensor normalizes devices in a function of its own (2.13, 2.15); torch 2.8 does it inline in the
+#: constructor, and :func:`wrap_meta` is not used there.
+NORMALIZES_FAKE_DEVICE_APART: bool = hasattr(FakeTensor, "_normalize_fake_device")
+
+
+def normalize_fake_device(device: torch.device) -> torch.device:
+    """The device a FakeTensor made for ``device`` reports (``cuda`` becomes ``cuda:N``). Checked on 2.13, 2.15."""
+    normalized: torch.device = FakeTensor._normalize_fake_device(device)
+    return normalized
+
+
+def fake_tensor_attributes(fake: FakeTensor) -> dict[str, Any]:
+    """The attributes torch's constructor set on ``fake``, but its mode: what :func:`wrap_meta` copies. The device is
+    held as ``_fake_device`` from 2.13 (``fake_device`` on 2.8). Checked on 2.8 to 2.15."""
+    return {name: value for name, value in vars(fake).items() if name != "fake_mode"}
+
+
+#: The name under which a FakeTensor holds its device (see fake_tensor_attributes).
+FAKE_DEVICE_ATTRIBUTE = "_fake_device"
+
+
+def wrap_meta(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device, attributes: dict[str, Any]) -> FakeTensor:
+    """A FakeTensor of ``mode`` for a fresh meta tensor, made as torch's constructor makes it (``_make_subclass``,
+    and the flag that refuses access to its data pointer) with ``attributes`` that the constructor set on an earlier
+    one. The constructor checks its arguments, normalizes the device twice and sets its attributes through
+    descriptors: a third of the time a model takes to build in fake mode. No public API; checked on 2.13, 2.15."""
+    made = torch.Tensor._make_subclass(
+        FakeTensor, meta, meta.requires_grad, dispatch_device=True, device_for_backend_keys=device
+    )
+    if mode._allow_unsafe_data_ptr_access:
+        torch._C._set_warn_deprecated_on_mutable_data_ptr(made)
+    else:
+        torch._C._set_throw_on_mutable_data_ptr(made)
+    state = vars(made)
+    state.update(attributes)
+    state["fake_mode"] = mode
+    assert isinstance(made, FakeTensor)
+    return made
+
+
+def retype_converter(mode: FakeTensorMode, converter_type: type[FakeTensorConverter]) -> None:
+    """Give ``mode`` a converter of ``converter_type``, a subclass that adds no state: retyping the one it has
+    beats building a second. FakeTensorMode takes no converter. Checked on 2.8 to 2.15."""
+    mode.fake_tensor_converter.__class__ = converter_type
+
+
+def forget_constant_aliases(mode: FakeTensorMode, fake: FakeTensor) -> None:
+    """Make ``fake`` and every fake of ``mode`` sharing its constant's storage forget the constant (the values torch
+    keeps for small tensors made from Python numbers). No public API; checked on 2.8 to 2.15."""
+    assert fake.constant is not None
+    mode.fake_tensor_converter.invalidate_constant_aliases(fake.constant)
+    fake.constant = None  # in case torch's mapping did not list it
+
+
+def forget_real_tensors(mode: FakeTensorMode) -> None:
+    """Drop ``mode``'s weak references to the real tensors and storages it made fakes of, once the mode is left.
+
+    The converter keeps them (to give one real tensor one fake) for as long as the mode lives, and
+    ``torch.utils.swap_tensors``, which ``Module.to`` uses in swap mode, refuses a tensor that has one: a module read
+    inside ``fake_mode()`` could not be moved while the mode object lived. A later use of the mode makes new fakes
+    of the real tensors it meets.
+
+    The mappings are replaced, not cleared: ``clear()`` pops each entry, calling its weak reference, and on torch
+    2.8 doing that to the storages' entries leaves the process to crash in a segmentation fault when it exits. No
+    public API; checked on 2.8 to 2.15.
+    """
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    describer = mode.fake_tensor_converter.meta_converter.describer
+    describer.lookup_tensor = WeakIdKeyDictionary()
+    describer.lookup_storage = WeakIdKeyDictionary()
+
+
+def forget_fake(mode: FakeTensorMode, fake: FakeTensor) -> None:
+    """Drop the weak references ``mode``'s machinery keeps to ``fake`` (the memo of fakes made from real tensors,
+    and of constants), which ``torch.utils.swap_tensors`` refuses. No public API; checked on 2.8 to 2.15."""
+    converter = mode.fake_tensor_converter
+    memo = converter.meta_converter.tensor_memo
+    for key in [key for key, value in memo.items() if value is fake]:
+        del memo[key]
+    for refs in converter.constant_storage_mapping.values():
+        refs[:] = [ref for ref in refs if ref() is not fake]
+
+
+# --- aten operators --------------------------------------------------------------------------------------------------
+
+
+def written_arguments(func: OpOverload) -> tuple[tuple[int, str], ...]:
+    """Position and name of each argument that an aten operation writes in place, from its schema: OpOverload has
+    no public accessor for the schema. Checked on 2.8 to 2.15."""
+    return tuple(
+        (index, argument.name)
+        for index, argument in enumerate(func._schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )
+
+
+#: aten's gamma and Dirichlet samplers, which ``torch.distributions`` draws through: underscore operators.
+#: Checked on 2.8 to 2.15.
+STANDARD_GAMMA: OpOverload = torch.ops.aten._standard_gamma.default
+SAMPLE_DIRICHLET: OpOverload = torch.ops.aten._sample_dirichlet.default
+
+
+def math_attention(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's math kernel of ``scaled_dot_product_attention`` (its own fallback), which asks no driver which
+    kernel to use: an underscore operator. Checked on 2.8 to 2.15."""
+    output: tuple[torch.Tensor, torch.Tensor] = torch.ops.aten._scaled_dot_product_attention_math(*args, **kwargs)
+    return output
+
+
+def parse_to(*args: Any, **kwargs: Any) -> tuple[torch.device | None, torch.dtype | None, bool, Any]:
+    """``Tensor.to``'s arguments as (device, dtype, non_blocking, memory_format), parsed by the binding that
+    ``Module.to`` uses too: there is no public parser. Checked on 2.8 to 2.15."""
+    parsed: tuple[torch.device | None, torch.dtype | None, bool, Any] = torch._C._nn._parse_to(*args, **kwargs)
+    return parsed
+
+
+# --- modules ---------------------------------------------------------------------------------------------------------
+# nn.Module keeps its parameters, buffers and submodules in three dictionaries, read directly: the public
+# named_parameters() and friends walk the tree and copy, and getattr on a module is slow. Plain functions, not
+# operator.attrgetter: torch.compile traces these (a VirtualTensor read), and dynamo cannot call an attrgetter.
+# Checked on 2.8 to 2.15.
+
+
+def parameters_of(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    return module._parameters
+
+
+def buffers_of(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    return module._buffers
+
+
+def submodules_of(module: nn.Module) -> dict[str, nn.Module | None]:
+    return module._modules
+
+
+def non_persistent_buffers_of(module: nn.Module) -> set[str]:
+    """The names of a module's own buffers left out of its state_dict. No public accessor."""
+    return module._non_persistent_buffers_set
+
+
+#: The names of those three dictionaries in a module's ``__dict__``, which also holds its plain attributes.
+TABLE_NAMES = frozenset({"_parameters", "_buffers", "_modules"})
+
+
+def module_initialized(module: nn.Module) -> bool:
+    """Whether ``nn.Module.__init__`` ran on ``module`` (it made the tables). Checked on 2.8 to 2.15."""
+    return "_buffers" in vars(module)
+
+
+def state_dict_hook_tables(module: nn.Module) -> tuple[dict[int, Any], dict[int, Any], dict[int, Any]]:
+    """A module's state_dict post hooks, load_state_dict pre hooks and post hooks, by handle id: hooks are removed
+    through their handles only, and an attribute's copy or unpickled twin has none. Checked on 2.8 to 2.15."""
+    return module._state_dict_hooks, module._load_state_dict_pre_hooks, module._load_state_dict_post_hooks
+
+
+#: The hook object torch puts in a hook table for a hook registered with ``with_module=True``: a pickled module holds
+#: it, so ``torch.load(weights_only=True)`` must be allowed to build it. Checked on 2.8 to 2.15.
+WrappedHook: type = torch.nn.modules.module._WrappedHook
+
+#: The attribute that marks a state_dict post hook registered through the public API, which torch then lets edit
+#: the state dict in place; a hook object put into the table directly sets it itself. Checked on 2.8 to 2.15.
+PUBLIC_STATE_DICT_HOOK_FLAG = "_from_public_api"
+
+
+def rnn_flat_weights(layer: nn.RNNBase) -> list[torch.Tensor | None]:
+    """The weights a recurrent layer hands cuDNN as one list. Checked on 2.8 to 2.15."""
+    weights: list[torch.Tensor | None] = layer._flat_weights
+    return weights
+
+
+def release_rnn_weights(layer: nn.RNNBase) -> None:
+    """Drop a recurrent layer's weak references to its weights (``swap_tensors`` refuses weakly referenced
+    tensors), as its own ``_apply`` does. Checked on 2.8 to 2.15."""
+    layer._flat_weight_refs = []
+
+
+def rebuild_rnn_weights(layer: nn.RNNBase) -> None:
+    """Make a recurrent layer's weight list and weak references again, as its own ``_apply`` does after a
+    conversion. Checked on 2.8 to 2.15."""
+    layer._init_flat_weights()
+
+
+# --- tensors, storages, generators -----------------------------------------------------------------------------------
+
+# Plain functions, as above: torch.compile traces the first two.
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """A tensor's version counter, bumped by every in-place write: documented in torch's autograd notes, but
+    underscore-named. Checked on 2.8 to 2.15."""
+    return tensor._version
+
+
+def address_of(obj: torch.Tensor | torch.UntypedStorage | torch.Generator) -> int:
+    """The address of the C++ object a tensor, storage or generator wraps: ``torch.utils.swap_tensors`` keeps the
+    Python object and replaces it, and the dispatcher hands the default generator over as a new Python object. No
+    public API; checked on 2.8 to 2.15."""
+    address: int = obj._cdata  # type: ignore[union-attr]
+    return address
+
+
+def view_base_of(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor a view was made from, or None. Checked on 2.8 to 2.15."""
+    return tensor._base
+
+
+def use_count(tensor: torch.Tensor) -> int:
+    """How many references the C++ side holds to the tensor's implementation: ``swap_tensors`` refuses a tensor
+    held elsewhere, and this says so before a swap starts. No public API; checked on 2.8 to 2.15."""
+    count: int = tensor._use_count()  # type: ignore[attr-defined]
+    return count
+
+
+def hooks_of(tensor: torch.Tensor) -> tuple[Any, Any]:
+    """A tensor's backward hooks and post-accumulate-grad hooks (None where it has none). They live on its autograd
+    data, which ``swap_tensors`` replaces: no public API moves them. Checked on 2.8 to 2.15."""
+    return tensor._backward_hooks, getattr(tensor, "_post_accumulate_grad_hooks", None)
+
+
+def restore_hooks(tensor: torch.Tensor, hooks: tuple[Any, Any]) -> None:
+    """Put back what :func:`hooks_of` returned."""
+    if hooks[0]:
+        tensor._backward_hooks = hooks[0]
+    if hooks[1]:
+        tensor._post_accumulate_grad_hooks = hooks[1]
+
+
+# --- torch.nn.init ---------------------------------------------------------------------------------------------------
+
+#: The helper of torch.nn.init.trunc_normal_ that every caller (transformers' copy too) goes through; fake tensors
+#: are handed to their mode there. Checked on 2.8 to 2.15.
+TRUNC_NORMAL_HELPER = "_no_grad_trunc_normal_"
+
+# --- CUDA ------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def cuda_initialization_skipped() -> Iterator[None]:
+    """In this thread, have ``torch.cuda._lazy_init`` return at once, as it does while it runs (torch's own
+    re-entrance flag): a binding that moves a tensor to CUDA calls it and counts CUDA initialized once it returns.
+    No public API; checked on 2.8 to 2.15."""
+    state = torch.cuda._tls
+    state.is_initializing = True
+    try:
+        yield
+    finally:
+        del state.is_initializing
+
+
+def import_dynamo() -> None:
+    """Import ``torch._dynamo``, which wraps ``torch.manual_seed`` when it is imported (see _torch_changes)."""
+    import torch._dynamo  # noqa: F401
+
+
+# --- distributed -----------------------------------------------------------------------------------------------------
+
+
+def set_state_dict_element(state_dict: Any, path: tuple[str | int, ...], value: Any) -> None:
+    """Set the element at ``path`` of a nested state dict, as the distributed checkpoint loader does: its helper is
+    private. Checked on 2.8 to 2.15."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(state_dict, path, value)
+
+
+def dtensor_local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local tensor a DTensor holds: ``DTensor.to_local()`` returns another tensor object each time, and
+    ``swap_tensors`` has to reach this one. Checked on 2.8 to 2.15."""
+    local: torch.Tensor = tensor._local_tensor  # type: ignore[attr-defined]
+    return local
+
+
+def fsdp_padded_shards(module: nn.Module) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
+    """For each parameter that FSDP2 manages in ``module`` (a ``fully_shard`` unit): the module holding it, its
+    name there, and the padded flat shard storage its all-gathers read.
+
+    FSDP2 has no public API to reach that storage, nor one to rebuild it after the local tensor changed
+    (``reset_sharded_param`` is private too, and copies into new storage when the shard is padded). 2.13 and 2.15
+    keep the groups as ``_fsdp_param_groups``; 2.8 keeps one group as ``_fsdp_param_group`` (None when the unit
+    manages no parameter). Checked on 2.8 to 2.15.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    fsdp_module_type = getattr(fsdp, "FSDPModule", None)
+    if fsdp_module_type is None or not isinstance(module, fsdp_module_type):
+        return
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [group] if (group := state._fsdp_param_group) is not None else []
+    for group in groups:
+        for fsdp_param in group.fsdp_params:
+            info = fsdp_param._module_info
+            yield info.module, info.param_name, fsdp_param._sharded_param_data
