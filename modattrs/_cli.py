@@ -19,6 +19,7 @@ from torch import nn
 
 from modattrs import _cuda_guard, _spoofed_cuda, _torch_changes
 from modattrs._attribute import own_attributes
+from modattrs._devices import as_device
 from modattrs.shaped import ShapedTensor
 from modattrs.virtual import VirtualTensor
 
@@ -201,8 +202,8 @@ def _keywords(pairs: Sequence[str]) -> dict[str, Any]:
 
 def _device(name: str) -> torch.device:
     try:
-        device = torch.device(name)
-    except RuntimeError:
+        device = as_device(name, "--device")
+    except ValueError:
         raise UsageError(f"unknown device {name!r}; use cpu, cuda, cuda:N, meta, ...") from None
     if device.type not in ("cpu", "cuda", "meta"):
         raise UsageError(f"device {name!r} is not supported here; use cpu, cuda or cuda:N")

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from modattrs import _cuda_guard, _spoofed_cuda
+from modattrs._devices import as_device
 from modattrs._torch_private import (
     FAKE_DEVICE_ATTRIBUTE,
     NORMALIZES_FAKE_DEVICE_APART,
@@ -205,8 +206,7 @@ def check_device(device: object) -> None:
     those past the spoofed device count."""
     if device is None:
         return
-    device = torch.device(device)  # type: ignore[call-overload]
-    assert isinstance(device, torch.device)
+    device = as_device(device, "fake tensor")
     if device.type != "cuda":
         return
     if not _cuda_guard.ready():

@@ -26,8 +26,10 @@ from torch import Tensor, nn
 
 from modattrs import _torch_changes
 from modattrs._attribute import own_attributes
+from modattrs._devices import as_device
 from modattrs._fake_tensors import ModattrsFakeTensorMode
 from modattrs._generator import new_record
+from modattrs._module_tensors import own_tensors
 from modattrs._names import callable_name
 from modattrs._record import DeferredInitError
 from modattrs._recorder import RecordingFakeTensorMode, ValueReads
@@ -39,7 +41,6 @@ from modattrs._torch_private import (
     dtensor_local,
     fsdp_padded_shards,
     hooks_of,
-    parameters_of,
     rebuild_rnn_weights,
     release_rnn_weights,
     restore_hooks,
@@ -187,7 +188,12 @@ def materialize_module(
             if isinstance(tensor, FakeTensor):
                 chosen.setdefault(id(tensor), (label, tensor))
     full = check_fn is None and not buffers_only
-    _materialize(list(chosen.values()), module, full=full, device=_device(device))
+    _materialize(
+        list(chosen.values()),
+        module,
+        full=full,
+        device=None if device is None else as_device(device, "materialize_module"),
+    )
     return module
 
 
@@ -453,20 +459,10 @@ def _tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
 
 
 def _own_tensors(module: nn.Module, prefix: str, *, buffers_only: bool) -> Iterator[tuple[str, Tensor]]:
-    """A module's own parameters, buffers and plain tensor attributes, labelled for messages; for a DTensor (sharded
-    by FSDP2 or by tensor parallelism), the local tensor it wraps, which is what the record made."""
-    kind = type(module).__name__
-    if not buffers_only:
-        for name, parameter in parameters_of(module).items():
-            if parameter is not None:
-                yield _local(f"parameter {_join(prefix, name)!r} ({kind})", parameter)
-    for name, buffer in buffers_of(module).items():
-        if buffer is not None:
-            yield _local(f"buffer {_join(prefix, name)!r} ({kind})", buffer)
-    for name, value in vars(module).items():
-        if name not in TABLE_NAMES:
-            for path, tensor in _tensors_in(value, name, set()):
-                yield _local(f"tensor attribute {_join(prefix, path)!r} ({kind})", tensor)
+    """A module's own tensors (see ``_module_tensors.own_tensors``), labelled for messages; for a DTensor (sharded by
+    FSDP2 or by tensor parallelism), the local tensor it wraps, which is what the record made."""
+    for held in own_tensors(module, prefix, buffers_only=buffers_only):
+        yield _local(held.label, held.tensor)
 
 
 def _local(label: str, tensor: Tensor) -> tuple[str, Tensor]:
@@ -498,20 +494,5 @@ def _fsdp_shards(module: nn.Module, prefix: str) -> Iterator[tuple[str, Tensor]]
         yield f"FSDP2's padded shard of parameter {name!r}", shard
 
 
-def _tensors_in(value: object, path: str, seen: set[int]) -> Iterator[tuple[str, Tensor]]:
-    """Tensors in a plain attribute, also inside lists, tuples and dicts."""
-    if isinstance(value, Tensor):
-        yield path, value
-    elif isinstance(value, (list, tuple, dict)) and id(value) not in seen:
-        seen.add(id(value))
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in items:
-            yield from _tensors_in(item, f"{path}[{key!r}]", seen)
-
-
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-def _device(device: torch.device | str | int | None) -> torch.device | None:
-    return None if device is None else torch.device(device)

@@ -19,7 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from modattrs import _spoofed_cuda, _torch_changes
+from modattrs._devices import as_device
 from modattrs._fake_tensors import ModattrsFakeTensorMode, check_device
+from modattrs._module_tensors import all_tensors
 from modattrs._spoofed_cuda import A100, GPU, H100
 from modattrs._torch_private import (
     FakeTensor,
@@ -120,7 +122,7 @@ def fake_copy(module: ModuleT, device: torch.device | str | int | None = None) -
     Raises:
         ValueError: a tensor is on the meta device and no ``device`` was given.
     """
-    target = None if device is None else torch.device(device)
+    target = None if device is None else as_device(device, "fake_copy")
     if target is not None and target.type == "cuda":
         _torch_changes.install_fake_cuda()
         check_device(target)
@@ -128,20 +130,10 @@ def fake_copy(module: ModuleT, device: torch.device | str | int | None = None) -
         _torch_changes.install()
     mode = _active_mode() or ModattrsFakeTensorMode()
     memo: dict[int, object] = {}  # deepcopy's memo: each tensor, reached under any name, becomes one fake
-    for name, tensor in _tensors_of(module):
-        if id(tensor) not in memo:
-            memo[id(tensor)] = _fake_of(mode, name, tensor, target)
+    for held in all_tensors(module, in_containers=False):  # tensors in containers are copied (see above)
+        if id(held.tensor) not in memo:
+            memo[id(held.tensor)] = _fake_of(mode, held.path, held.tensor, target)
     return copy.deepcopy(module, memo)
-
-
-def _tensors_of(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """Parameters, buffers, and tensors kept as plain attributes of the modules."""
-    yield from module.named_parameters()
-    yield from module.named_buffers()
-    for prefix, submodule in module.named_modules():
-        for name, value in vars(submodule).items():
-            if isinstance(value, Tensor):
-                yield f"{prefix}.{name}" if prefix else name, value
 
 
 def _fake_of(mode: FakeTensorMode, name: str, tensor: Tensor, device: torch.device | None) -> Tensor:

@@ -14,6 +14,8 @@ from torch import Tensor, nn
 from modattrs import _cache
 from modattrs._attribute import OwnedAttribute, own_attributes, set_persistent
 from modattrs._cache import Cache
+from modattrs._devices import as_device
+from modattrs._names import callable_name
 from modattrs._torch_private import buffers_of, non_persistent_buffers_of, parameters_of, parse_to, submodules_of
 
 __all__ = ["VirtualTensor", "sync_references"]
@@ -465,7 +467,7 @@ class VirtualTensor(OwnedAttribute):
     def _materializer_name(self) -> str:
         if self._method is not None:
             return repr(self._method)
-        return str(getattr(self._function, "__qualname__", repr(self._function)))
+        return callable_name(self._function)
 
 
 def _check_materializer(owner: nn.Module, name: str, materializer: object) -> tuple[str | None, Materializer]:
@@ -560,12 +562,7 @@ def _tensor_at(owner: nn.Module, path: str) -> Tensor:
 
 
 def _check_device(name: str, device: object) -> torch.device:
-    if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
-        raise TypeError(f"VirtualTensor {name!r}: device must be a torch.device, str or int, got {device!r}")
-    try:
-        return torch.device(device)
-    except RuntimeError as error:
-        raise ValueError(f"VirtualTensor {name!r}: invalid device {device!r}: {error}") from None
+    return as_device(device, f"VirtualTensor {name!r}")
 
 
 def _make_reference(name: str, dtype: torch.dtype, device: object, like: Tensor | None = None) -> Tensor:

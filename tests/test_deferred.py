@@ -984,6 +984,16 @@ def test_materializing_with_any_spelling_of_the_device() -> None:
     assert_bit_identical(eager, materialize_module(deferred_init(Stack), device="cpu:0"))
 
 
+@pytest.mark.parametrize(("device", "error"), [(True, TypeError), ("gpu", ValueError), (1.5, TypeError)])
+def test_materializing_on_something_that_is_not_a_device_names_the_call_and_changes_nothing(
+    device: object, error: type[Exception]
+) -> None:
+    deferred = deferred_init(Stack)
+    with pytest.raises(error, match=r"^materialize_module: (device must be|invalid device)"):
+        materialize_module(deferred, device=device)  # type: ignore[arg-type]
+    assert is_deferred(deferred)
+
+
 def test_a_materialized_module_lets_its_record_go() -> None:
     deferred = deferred_init(Stack)
     record = weakref.ref(deferred.layers[0].weight.fake_mode.record)

@@ -228,6 +228,12 @@ def test_fake_copy_on_a_spoofed_device() -> None:
     assert twin.rotary.inv_freq.value.device == torch.device("cuda:0")
 
 
+@pytest.mark.parametrize(("device", "error"), [(True, TypeError), ("gpu", ValueError)])
+def test_fake_copy_to_something_that_is_not_a_device_names_the_call(device: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match=r"^fake_copy: (device must be|invalid device)"):
+        fake_copy(Tied(), device=device)  # type: ignore[arg-type]
+
+
 def test_fake_copy_of_a_meta_model_needs_a_device() -> None:
     with torch.device("meta"):
         model = Tied()
