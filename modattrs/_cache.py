@@ -111,15 +111,17 @@ def read(attribute: Cached, owner: nn.Module, ref: Tensor | None) -> Tensor:
     """
     cache = attribute._cache
     if cache is not None and not open_scopes:
-        # cache.entry only ever holds a value read outside every fake mode, of a reference that is not fake. The
-        # same reference object means the same device and, unless dtype_from decides it, dtype: conversions replace
-        # the reference, and a load that swaps its contents in place clears the cache. A fixed dtype changes only
-        # through the attribute, which then clears the cache.
+        # cache.entry only ever holds a value read outside every fake mode, of a reference that is not fake.
+        # Conversions replace the reference and a load that swaps its contents in place clears the cache, but
+        # `ref.data = ...` (FSDP2's fully_shard moves buffers so) keeps the object: its dtype and device are
+        # compared too. A fixed dtype changes only through the attribute, which then clears the cache.
         entry = cache.entry
         if (
             entry is not None
             and entry.ref is ref
             and entry.hot
+            and ref.dtype is entry.ref_dtype
+            and ref.device == entry.device
             and not _compiling()
             and not _dispatch_modes()
             and (not entry.dependencies or entry.unchanged(owner))
@@ -184,12 +186,26 @@ def _compute_in(mode: FakeTensorMode | None, attribute: Cached, owner: nn.Module
 class Entry:
     """A value and what it was computed from.
 
-    The reference buffer object stands for the device, and for the dtype of attributes that follow the module
-    (conversions replace it); it is held strongly: it has no elements, and holding it keeps its id from being
-    reused. The dtype is kept too, for fixed dtypes and ``dtype_from``. See :func:`snapshot_of` for dependencies.
+    The reference buffer object, with its dtype and device (``ref.data = ...`` changes them and keeps the object),
+    stands for the device, and for the dtype of attributes that follow the module; it is held strongly: it has no
+    elements, and holding it keeps its id from being reused. The value's dtype is kept too, for fixed dtypes and
+    ``dtype_from``. See :func:`snapshot_of` for dependencies.
     """
 
-    __slots__ = ("dependencies", "dtype", "grad", "hot", "impl", "inference", "mode", "plain", "ref", "value")
+    __slots__ = (
+        "dependencies",
+        "device",
+        "dtype",
+        "grad",
+        "hot",
+        "impl",
+        "inference",
+        "mode",
+        "plain",
+        "ref",
+        "ref_dtype",
+        "value",
+    )
 
     def __init__(
         self,
@@ -202,6 +218,8 @@ class Entry:
     ) -> None:
         self.ref = ref
         self.impl = address_of(ref)  # swap_tensors keeps the object and replaces this
+        self.ref_dtype = ref.dtype
+        self.device = ref.device
         self.dtype = dtype  # for dtype_from, whose dtype changes without the reference
         self.grad = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
@@ -241,6 +259,8 @@ class Entry:
     def current(self, owner: nn.Module, ref: Tensor, dtype: torch.dtype, mode: object) -> bool:
         """Whether the value still holds for a read of ``ref`` as ``dtype`` in fake mode ``mode`` (or none)."""
         if self.ref is not ref or self.impl != address_of(ref) or self.dtype is not dtype or self.mode is not mode:
+            return False
+        if ref.device != self.device:  # ref.data = ... on another device
             return False
         if not self.plain and (
             self.grad is not torch.is_grad_enabled() or self.inference is not torch.is_inference_mode_enabled()

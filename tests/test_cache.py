@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import pickle
@@ -516,3 +517,17 @@ def test_a_module_read_inside_a_fake_mode_can_be_converted_in_swap_mode_afterwar
         assert torch.equal(m.table.value, torch.full((3,), 2.0, dtype=torch.float64))
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swapping)
+
+
+@pytest.mark.parametrize("in_scope", [False, True], ids=["lasting", "cached-block"])
+def test_a_cached_value_follows_a_reference_whose_data_is_replaced_in_place(in_scope: bool) -> None:
+    # FSDP2's fully_shard moves buffers with `buffer.data = buffer.to(device)`: the reference object and its
+    # TensorImpl stay, the device or dtype changes. (Only a GPU can change the device of real data in place; the
+    # dtype takes the same path.)
+    m = Counted(cache=not in_scope)
+    with modattrs.cached() if in_scope else contextlib.nullcontext():
+        assert m.table.value.dtype == torch.float32
+        m._table_ref.data = torch.empty(0, dtype=torch.float64)
+        value = m.table.value
+    assert value.dtype == torch.float64
+    assert torch.equal(value, torch.full((3,), 2.0, dtype=torch.float64))
