@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-# The aten operator class: its public alias torch.ops.OpOverload is not typed. Checked on 2.8 to 2.15.
+# The class of aten operators (torch.ops.aten.add.Tensor): torch has no public name for it. Checked on 2.8 to 2.15.
 from torch._ops import OpOverload
 
 # Fake tensors and their mode: the classes themselves are private, documented in torch's fake tensor notes and
@@ -72,8 +72,8 @@ dispatch_mode_count: Callable[[], int] = torch._C._len_torch_dispatch_stack
 
 
 def active_fake_mode() -> FakeTensorMode | None:
-    """The fake mode active in this thread, wherever it sits in the mode stack. torch's public
-    ``torch._guards.detect_fake_mode`` also looks at tensors and is slower. Checked on 2.8 to 2.15."""
+    """The fake mode active in this thread, wherever it sits in the mode stack. No public API (torch's own
+    ``detect_fake_mode`` is private too, and looks at tensors as well). Checked on 2.8 to 2.15."""
     mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
     return mode if isinstance(mode, FakeTensorMode) else None
 
@@ -284,8 +284,7 @@ def rebuild_rnn_weights(layer: nn.RNNBase) -> None:
 
 
 def version_of(tensor: torch.Tensor) -> int:
-    """A tensor's version counter, bumped by every in-place write: documented in torch's autograd notes, but
-    underscore-named. Checked on 2.8 to 2.15."""
+    """A tensor's version counter, bumped by every in-place write. No public accessor; checked on 2.8 to 2.15."""
     return tensor._version
 
 
