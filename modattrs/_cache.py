@@ -120,10 +120,10 @@ def read(attribute: Cached, owner: nn.Module, ref: Tensor | None) -> Tensor:
             entry is not None
             and entry.ref is ref
             and entry.hot
-            and ref.dtype is entry.ref_dtype
-            and ref.device == entry.device
             and not _compiling()
             and not _dispatch_modes()
+            and ref.dtype is entry.ref_dtype
+            and ref.device == entry.device
             and (not entry.dependencies or entry.unchanged(owner))
         ):
             return entry.value
