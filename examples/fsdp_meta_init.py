@@ -115,6 +115,9 @@ def worker() -> None:
         print(f"trained 3 steps on {dist.get_world_size()} processes; loss {loss.item():.4f}")
         print(f"VirtualTensor rotary tables equal to a CPU build: {virtual_ok}")
         print(f"hand-rolled inv_freq buffer equal to a CPU build: {hand_rolled_ok}")
+    # Both ranks done with gloo before either tears it down, as the test workers do: without it, rank 0 once
+    # aborted at exit in CI ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
