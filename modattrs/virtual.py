@@ -23,6 +23,8 @@ __all__ = ["VirtualTensor", "sync_references"]
 #: A callable materializer: ``fn(owner, dtype, device) -> Tensor``.
 Materializer = Callable[[nn.Module, torch.dtype, torch.device], Tensor]
 
+_CPU = torch.device("cpu")
+
 
 class VirtualTensorAttributes(NamedTuple):
     """Names that a :class:`VirtualTensor` registers on its owner."""
@@ -185,6 +187,11 @@ class VirtualTensor(OwnedAttribute):
         if ref is not None and ref is self._plain_ref and not _cache.open_scopes:
             # The hot path: nothing kept, nothing to decide (see _compute, which sets _plain_ref).
             dtype = self._dtype or ref.dtype  # dtypes are truthy: this reads "the fixed dtype, if any"
+            if ref.is_cpu:  # the same test without making two device objects and comparing them
+                result = self._function(owner, dtype, _CPU)
+                if type(result) is Tensor and result.dtype is dtype and result.is_cpu:
+                    return result
+                return self._converted(result, dtype, _CPU)
             device = ref.device
             result = self._function(owner, dtype, device)
             if type(result) is Tensor and result.dtype is dtype and result.device == device:

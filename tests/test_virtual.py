@@ -123,6 +123,29 @@ def test_value_is_not_copied_when_dtype_and_device_already_match() -> None:
     assert m.x.value is stored
 
 
+RESULTS: dict[str, Callable[[torch.dtype, torch.device], Tensor]] = {
+    "as asked": lambda dtype, device: torch.ones(2, dtype=dtype, device=device),
+    "another dtype": lambda dtype, device: torch.ones(2, dtype=torch.int64, device=device),
+    "on the cpu": lambda dtype, device: torch.ones(2, dtype=dtype),
+    "another dtype, on the cpu": lambda dtype, device: torch.ones(2, dtype=torch.int64),
+    "a parameter": lambda dtype, device: nn.Parameter(torch.ones(2, dtype=dtype, device=device)),
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("result", sorted(RESULTS))
+def test_every_read_converts_the_result_to_the_attribute_dtype_and_device(device: str, result: str) -> None:
+    make = RESULTS[result]
+    m = nn.Module()
+    VirtualTensor(m, "v", lambda module, dtype, device: make(dtype, device), dtype=torch.float16, device=device)
+    for _ in range(3):  # the first read takes the slow path, the next ones the hot path
+        value = m.v.value
+        assert (value.dtype, value.device) == (torch.float16, torch.device(device))
+    m.to(torch.float64)
+    value = m.v.value
+    assert (value.dtype, value.device) == (torch.float64, torch.device(device))
+
+
 def test_materializer_returning_a_non_tensor_raises_type_error_naming_both() -> None:
     def bad(module: nn.Module, dtype: torch.dtype, device: torch.device) -> Tensor:
         return [1, 2]  # type: ignore[return-value]
