@@ -344,6 +344,12 @@ class ValueReads(TorchFunctionMode):
     data, and ``.item()`` makes a fake of the tensor first, which has no values.
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        # torch hands __torch_function__ the method that Tensor has at call time: for numpy, the wrapper that
+        # _torch_changes.install puts there before any recording starts.
+        self._reads = {getattr(torch.Tensor, name): label for name, label in _VALUE_READS.items()}
+
     def __torch_function__(
         self,
         func: Callable[..., Any],
@@ -352,7 +358,7 @@ class ValueReads(TorchFunctionMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        name = _VALUE_READS.get(func) if args else None
+        name = self._reads.get(func) if args else None
         if name is None:
             return func(*args, **kwargs)
         tensor = args[0]
@@ -373,8 +379,8 @@ def _skips_dispatch(name: str, tensor: torch.Tensor, args: Sequence[Any]) -> boo
 
 # Tensor methods that read values; the first ones do so without an operation a dispatch mode sees.
 _SKIPPING_DISPATCH = ("Tensor.numpy", "Tensor.__array__", "Tensor.__dlpack__")
-_VALUE_READS: dict[Any, str] = {
-    getattr(torch.Tensor, name): f"Tensor.{name}"
+_VALUE_READS = {
+    name: f"Tensor.{name}"
     for name in (
         "numpy", "__array__", "__dlpack__", "__format__",
         "item", "tolist", "__float__", "__int__", "__bool__", "__complex__", "__index__",

@@ -24,7 +24,15 @@ import torch
 
 from modattrs import _cuda_guard, _fake_backward, _generator, _spoofed_cuda
 from modattrs._fake_tensors import ModattrsFakeTensorMode
-from modattrs._torch_private import TRUNC_NORMAL_HELPER, FakeTensor, import_dynamo, math_attention
+from modattrs._torch_private import (
+    TRUNC_NORMAL_HELPER,
+    FakeTensor,
+    active_fake_mode,
+    disable_current_modes,
+    dispatch_mode_count,
+    import_dynamo,
+    math_attention,
+)
 
 __all__: list[str] = []
 
@@ -38,6 +46,7 @@ class _Replaced:
     owner: object
     name: str
     original: object
+    inherited: bool  # the owner (a class) had no attribute of its own by that name: undo deletes it
 
 
 _lock = threading.RLock()
@@ -77,11 +86,15 @@ def install() -> None:
             ("get_rng_state", _generator.saving),
         ):
             _replace_under_both_names(name, wrap)
+        # 5. Tensor.numpy detaches its tensor first, and inside a fake mode that detach makes a fake of a real
+        #    tensor, whose memory numpy then reads: real.numpy() and np.asarray(real) gave garbage, silently. Inside
+        #    modattrs' fake modes a real tensor's numpy() runs outside them and returns its data, as tolist() does.
+        _replace(torch.Tensor, "numpy", _numpy_of_real_tensors)
         _base = True
 
 
 def install_fake_cuda() -> None:
-    """Make fake CUDA tensors possible, after the base changes; on a machine with a GPU, only change 7.
+    """Make fake CUDA tensors possible, after the base changes; on a machine with a GPU, only change 8.
 
     Raises:
         RuntimeError: fake CUDA cannot be set up (a CPU-only build without a C++ compiler); the message says what
@@ -89,7 +102,7 @@ def install_fake_cuda() -> None:
     """
     global _fake_cuda_installed
     install()
-    # 5. Some Python bindings and the autograd engine build a device guard for fake CUDA tensors too, and a build of
+    # 6. Some Python bindings and the autograd engine build a device guard for fake CUDA tensors too, and a build of
     #    torch without CUDA has none: torch's own FakeGuardImpl is compiled and registered. A CUDA build without a
     #    GPU has its guard, but its bindings fail to initialize CUDA before moving a tensor there: they are made to
     #    count CUDA as initialized. Neither can be undone. See _cuda_guard.
@@ -100,17 +113,17 @@ def install_fake_cuda() -> None:
         if _fake_cuda_installed:
             return
         if not _cuda_guard.gpu_present():
-            # 6. torch's autograd engine needs a real GPU for CUDA gradients: backward passes over spoofed-CUDA fakes
+            # 7. torch's autograd engine needs a real GPU for CUDA gradients: backward passes over spoofed-CUDA fakes
             #    are simulated (see _fake_backward); everything else is torch's own. Tensor.backward looks
             #    torch.autograd.backward up at call time: one replacement covers both.
             _replace(torch.autograd, "backward", _fake_backward.simulating_backward)
             _replace(torch.autograd, "grad", _fake_backward.simulating_grad)
             if _cuda_guard.attention_needs_the_driver():
-                # 6b. On a CUDA build whose scaled_dot_product_attention asks the driver which kernel to use
+                # 7b. On a CUDA build whose scaled_dot_product_attention asks the driver which kernel to use
                 #     (torch 2.8), spoofed-CUDA fakes take torch's math kernel, its own fallback; everything else
                 #     is torch's own. torch's flags to force that kernel are process-wide, so they are not used.
                 _replace(torch.nn.functional, "scaled_dot_product_attention", _math_attention_for_spoofed_cuda)
-        # 7. Model code asks torch.cuda about the GPU (transformers' MoE layers ask its capability to choose a
+        # 8. Model code asks torch.cuda about the GPU (transformers' MoE layers ask its capability to choose a
         #    kernel): inside fake_mode(fake_cuda=True) blocks, six of its functions answer as the spoofed GPU, in the
         #    block's thread only; everywhere else they are torch's own (see _spoofed_cuda).
         for name in _spoofed_cuda.ANSWERS:
@@ -129,7 +142,10 @@ def undo() -> None:
     with _lock:
         while _replaced:
             replaced = _replaced.pop()
-            setattr(replaced.owner, replaced.name, replaced.original)
+            if replaced.inherited:
+                delattr(replaced.owner, replaced.name)
+            else:
+                setattr(replaced.owner, replaced.name, replaced.original)
         filters = cast(list[Any], warnings.filters)  # a list, typed as a sequence
         filters[:] = [entry for entry in filters if not any(entry is ours for ours in _filters)]
         _filters.clear()
@@ -141,8 +157,9 @@ def undo() -> None:
 
 def _replace(owner: object, name: str, wrap: Wrap) -> None:
     original = getattr(owner, name)
+    inherited = name not in vars(owner)
     setattr(owner, name, wrap(original))
-    _replaced.append(_Replaced(owner, name, original))
+    _replaced.append(_Replaced(owner, name, original, inherited))
 
 
 def _replace_under_both_names(name: str, wrap: Wrap) -> None:
@@ -154,7 +171,7 @@ def _replace_under_both_names(name: str, wrap: Wrap) -> None:
         if id(original) not in wrapped:
             wrapped[id(original)] = wrap(original)
         setattr(owner, name, wrapped[id(original)])
-        _replaced.append(_Replaced(owner, name, original))
+        _replaced.append(_Replaced(owner, name, original, inherited=False))
 
 
 def _math_attention_for_spoofed_cuda(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -174,6 +191,21 @@ def _math_attention_for_spoofed_cuda(original: Callable[..., torch.Tensor]) -> C
         return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
 
     return scaled_dot_product_attention
+
+
+def _numpy_of_real_tensors(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def numpy(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if (
+            dispatch_mode_count()
+            and not isinstance(self, FakeTensor)
+            and isinstance(active_fake_mode(), ModattrsFakeTensorMode)
+        ):
+            with disable_current_modes():
+                return original(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    return numpy
 
 
 def _trunc_normal_for_fakes(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -7,7 +7,9 @@ import io
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -136,6 +138,41 @@ def test_trunc_normal_works_on_fakes_after_the_block_and_unchanged_on_real_tenso
     values = nn.init.trunc_normal_(torch.zeros(1000), a=-1.0, b=1.0)
     assert bool((values.abs() <= 1.0).all())
     assert values.std() > 0.3
+
+
+NUMPY_READS: dict[str, Callable[[Tensor], np.ndarray]] = {
+    ".numpy()": lambda t: t.numpy(),
+    ".numpy(force=True)": lambda t: t.numpy(force=True),
+    "np.asarray": lambda t: np.asarray(t),
+    "np.asarray(dtype=)": lambda t: np.asarray(t, dtype=np.float64),
+}
+
+
+@pytest.mark.parametrize("fake_cuda", [False, True], ids=["cpu", "fake cuda"])
+@pytest.mark.parametrize("how", NUMPY_READS)
+def test_numpy_of_a_real_tensor_inside_fake_mode_is_its_data(how: str, fake_cuda: bool) -> None:
+    real = torch.arange(6.0)
+    with fake_mode(fake_cuda=fake_cuda):
+        array = NUMPY_READS[how](real)
+    np.testing.assert_array_equal(array, np.arange(6.0))
+
+
+def test_numpy_of_a_real_tensor_inside_fake_mode_shares_its_memory_as_outside() -> None:
+    real = torch.zeros(3)
+    with fake_mode():
+        inside = real.numpy()
+    outside = real.numpy()
+    real[1] = 5.0
+    assert inside[1] == outside[1] == 5.0
+
+
+def test_numpy_of_a_fake_tensor_raises_instead_of_reading_memory() -> None:
+    with fake_mode():
+        fake = torch.ones(3)
+        with pytest.raises(RuntimeError, match="numpy"):
+            fake.numpy()
+    with pytest.raises(RuntimeError, match="numpy"):
+        np.asarray(fake)
 
 
 def test_small_tensors_made_from_python_values_keep_their_values_right() -> None:
