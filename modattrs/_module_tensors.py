@@ -28,11 +28,9 @@ class HeldTensor:
         return f"{self.kind} {self.path!r} ({type(self.owner).__name__})"
 
 
-def own_tensors(
-    module: nn.Module, prefix: str = "", *, buffers_only: bool = False, in_containers: bool = True
-) -> Iterator[HeldTensor]:
-    """A module's own parameters, buffers and tensors kept as plain attributes (also inside lists, tuples and dicts,
-    unless ``in_containers`` is false), not its submodules'; with ``buffers_only``, all but its parameters."""
+def own_tensors(module: nn.Module, prefix: str = "", *, buffers_only: bool = False) -> Iterator[HeldTensor]:
+    """A module's own parameters, buffers and tensors kept as plain attributes, also inside lists, tuples and dicts
+    of them, not its submodules'; with ``buffers_only``, all but its parameters."""
     if not buffers_only:
         for name, parameter in parameters_of(module).items():
             if parameter is not None:
@@ -43,17 +41,14 @@ def own_tensors(
     for name, value in vars(module).items():
         if name in TABLE_NAMES:
             continue
-        if in_containers:
-            for path, tensor in _tensors_in(value, name, set()):
-                yield HeldTensor("tensor attribute", _join(prefix, path), module, tensor)
-        elif isinstance(value, torch.Tensor):
-            yield HeldTensor("tensor attribute", _join(prefix, name), module, value)
+        for path, tensor in _tensors_in(value, name, set()):
+            yield HeldTensor("tensor attribute", _join(prefix, path), module, tensor)
 
 
-def all_tensors(module: nn.Module, *, in_containers: bool = True) -> Iterator[HeldTensor]:
+def all_tensors(module: nn.Module) -> Iterator[HeldTensor]:
     """:func:`own_tensors` of ``module`` and of each of its submodules, each submodule once."""
     for prefix, submodule in module.named_modules():
-        yield from own_tensors(submodule, prefix, in_containers=in_containers)
+        yield from own_tensors(submodule, prefix)
 
 
 def _tensors_in(value: object, path: str, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:

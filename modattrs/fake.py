@@ -111,8 +111,9 @@ def fake_copy(module: ModuleT, device: torch.device | str | int | None = None) -
 
     No data is copied: parameters, buffers and tensors kept as plain attributes of the modules become fake. Tied
     weights (one tensor reachable under several names) stay tied, parameters stay parameters with their
-    ``requires_grad`` and their Python attributes, and modattrs attributes are bound to the twin. Tensors that
-    are views of one another become independent fakes, and tensors inside containers (lists, dicts) are copied.
+    ``requires_grad`` and their Python attributes, and modattrs attributes are bound to the twin. Tensors kept
+    inside lists, tuples and dicts of plain attributes become fake too. Tensors that are views of one another
+    become independent fakes.
 
     Args:
         module: a module on any device, the meta device included.
@@ -130,7 +131,7 @@ def fake_copy(module: ModuleT, device: torch.device | str | int | None = None) -
         _torch_changes.install()
     mode = _active_mode() or ModattrsFakeTensorMode()
     memo: dict[int, object] = {}  # deepcopy's memo: each tensor, reached under any name, becomes one fake
-    for held in all_tensors(module, in_containers=False):  # tensors in containers are copied (see above)
+    for held in all_tensors(module):
         if id(held.tensor) not in memo:
             memo[id(held.tensor)] = _fake_of(mode, held.path, held.tensor, target)
     return copy.deepcopy(module, memo)

@@ -291,6 +291,22 @@ def test_fake_copy_fakes_plain_tensor_attributes_and_keeps_parameter_attributes(
     assert twin.to("cuda:1").weight.device == torch.device("cuda:1")  # a CPU twin moves to a spoofed device
 
 
+def test_fake_copy_fakes_tensors_inside_containers_on_the_twin_device_keeping_ties() -> None:
+    model = nn.Linear(4, 4)
+    model.masks = [torch.ones(1000, 1000), {"causal": torch.zeros(8), "step": 3}]
+    model.pair = (model.weight, "label")  # the parameter itself, held in a tuple
+    twin = fake_copy(model, device="cuda")
+    mask, table = twin.masks
+    assert is_fake(mask)
+    assert (mask.device, mask.shape) == (torch.device("cuda:0"), (1000, 1000))
+    assert is_fake(table["causal"])
+    assert (table["causal"].device, table["step"]) == (torch.device("cuda:0"), 3)
+    assert twin.pair[0] is twin.weight
+    assert twin.pair[1] == "label"
+    assert not is_fake(model.masks[0])
+    assert bool(model.masks[0].all())  # the original is untouched
+
+
 def test_fake_copy_inside_fake_mode_uses_that_mode() -> None:
     with fake_mode() as mode:
         twin = fake_copy(nn.Linear(2, 2))
