@@ -21,7 +21,7 @@ import functools
 import os
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -389,11 +389,42 @@ _VALUE_READS = {
 
 
 def _needs_values(operation: str) -> DeferredInitError:
+    if operation in _VALUE_OPERATIONS:
+        operation = f"{_VALUE_OPERATIONS[operation]} ({operation})"
+    if recording_in_this_thread():
+        return DeferredInitError(
+            f"{operation} needs the values of fake tensors, which do not exist while deferred_init records "
+            f"({where()}). Values that depend on data cannot be recorded one operation at a time: move this code "
+            "after materialize_module, or record the function doing it as one call with "
+            "modattrs.deferred.register_opaque_init"
+        )
     return DeferredInitError(
-        f"{operation} needs the values of fake tensors, which do not exist while deferred_init records ({where()}). "
-        "Values that depend on data cannot be recorded one operation at a time: move this code after "
-        "materialize_module, or record the function doing it as one call with modattrs.deferred.register_opaque_init"
+        f"{operation} needs the values of a deferred tensor, which has none until it is materialized ({where()}): "
+        "call modattrs.deferred.materialize_module on its module first"
     )
+
+
+# What the operations that read a value are called in Python.
+_VALUE_OPERATIONS = {
+    "aten._local_scalar_dense.default": ".item(), .tolist(), float(), int(), bool() or the like",
+}
+
+_this_thread = threading.local()
+
+
+def recording_in_this_thread() -> bool:
+    """Whether a ``deferred_init`` call is running its module function in this thread."""
+    return bool(getattr(_this_thread, "recording", False))
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[None]:
+    """Marks this thread as running a ``deferred_init`` call's module function."""
+    _this_thread.recording = True
+    try:
+        yield
+    finally:
+        _this_thread.recording = False
 
 
 @dataclass(slots=True, kw_only=True)

@@ -16,7 +16,6 @@ import contextlib
 import functools
 import inspect
 import sys
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ParamSpec, TypeVar
@@ -32,7 +31,7 @@ from modattrs._generator import new_record
 from modattrs._module_tensors import own_tensors
 from modattrs._names import callable_name
 from modattrs._record import DeferredInitError
-from modattrs._recorder import RecordingFakeTensorMode, ValueReads
+from modattrs._recorder import RecordingFakeTensorMode, ValueReads, recording, recording_in_this_thread
 from modattrs._replay import replay
 from modattrs._torch_private import (
     TABLE_NAMES,
@@ -76,7 +75,7 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
             yet, or does something else that cannot be recorded; the message names the operation and where it ran.
         TypeError: ``module_fn`` did not return a module.
     """
-    if getattr(_this_thread, "recording", False):
+    if recording_in_this_thread():
         raise DeferredInitError(
             f"deferred_init({callable_name(module_fn)}) was called while another deferred_init records; build the "
             "inner module directly: everything inside the outer call is deferred already"
@@ -84,15 +83,12 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
     _torch_changes.install()
     record = new_record()
     mode = RecordingFakeTensorMode(record)
-    _this_thread.recording = True
-    try:
+    with recording():
         with mode, ValueReads():
             module = module_fn(*args, **kwargs)
             if isinstance(module, nn.Module):
                 _detach_graphs(module)
         mode.note_generator()  # a reseed after the last draw still sets where eager construction leaves it
-    finally:
-        _this_thread.recording = False
     if not isinstance(module, nn.Module):
         raise TypeError(
             f"deferred_init expects a function returning a module; {callable_name(module_fn)} returned "
@@ -106,7 +102,6 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
     return module
 
 
-_this_thread = threading.local()
 _roots: weakref.WeakKeyDictionary[nn.Module, RecordingFakeTensorMode] = weakref.WeakKeyDictionary()
 
 

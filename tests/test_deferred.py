@@ -689,6 +689,18 @@ def test_every_way_of_reading_values_while_recording_raises_naming_the_operation
     assert f"test_deferred.py:{read.__code__.co_firstlineno}" in message
 
 
+@pytest.mark.parametrize("how", [".tolist()", ".item()", "float()", "bool()"])
+def test_reading_values_of_a_deferred_tensor_after_recording_says_to_materialize_first(how: str) -> None:
+    module = deferred_init(nn.Linear, 3, 3)
+    with pytest.raises(DeferredInitError) as error:
+        VALUE_READS[how](module.bias.detach())
+    message = str(error.value)
+    assert "until it is materialized" in message
+    assert "materialize_module" in message
+    assert "while deferred_init records" not in message
+    assert f"test_deferred.py:{VALUE_READS[how].__code__.co_firstlineno}" in message
+
+
 def test_values_of_real_tensors_read_while_recording_are_their_values() -> None:
     real, scalar = torch.tensor([0.5, 2.0]), torch.tensor(0.25)
     read: list[object] = []
