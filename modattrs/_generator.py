@@ -8,7 +8,8 @@ would be further on: after the draws recorded so far. That *position* is a point
 meaning "the state after the first n operations of that record drew"; each recorded draw moves it. It holds for as
 long as the real generator is untouched: ``torch.manual_seed`` or ``torch.set_rng_state`` with any other state puts
 the position back on the real state. The functions that do it are wrapped (by ``_torch_changes``, with the wrappers
-below) to see this (a reseed to the state the generator had would otherwise look as if nothing happened), and
+below) to see this, and each recorded draw also moves the real generator on by one draw of its own, so that a
+reseed through a name that is not wrapped still changes the state it finds (see ``drew``); and
 ``torch.get_rng_state`` tags the state it returns with the position, so that putting it back (``fork_rng`` does)
 returns to that point rather than to the stale state.
 
@@ -187,10 +188,18 @@ def reset_before_draw(record: Record) -> Position | None:
 
 
 def drew(record: Record) -> None:
-    """Note that the operation just appended to ``record`` drew from the default CPU generator."""
+    """Note that the operation just appended to ``record`` drew from the default CPU generator.
+
+    The real generator is moved on by one draw of its own: left where it was, a reseed that sets the state it had
+    (``torch.manual_seed(0)`` before each of two ``deferred_init`` calls) through a name that is not wrapped (an
+    earlier ``from torch import manual_seed``, ``torch.default_generator.manual_seed``) would look as if nothing
+    happened, and the second record would continue the first's draws.
+    """
     with lock:
         point = (record, len(record.ops))
         record.point, record.point_epoch = point, epoch
+        with disable_current_modes():
+            torch.empty(()).random_()
         move_to(point)
 
 

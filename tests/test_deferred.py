@@ -813,6 +813,28 @@ def test_a_reseed_between_deferred_inits_starts_the_next_from_the_seed() -> None
     assert_bit_identical(first, second)
 
 
+RESEEDS_NOT_WRAPPED: dict[str, Callable[[int], object]] = {
+    "torch.default_generator.manual_seed": lambda seed: torch.default_generator.manual_seed(seed),
+    # what `from torch import manual_seed` before modattrs' first use holds
+    "torch's own manual_seed": lambda seed: inspect.unwrap(torch.manual_seed)(seed),
+}
+
+
+@pytest.mark.parametrize("how", RESEEDS_NOT_WRAPPED)
+def test_a_reseed_between_deferred_inits_through_a_name_that_is_not_wrapped_is_seen(how: str) -> None:
+    reseed = RESEEDS_NOT_WRAPPED[how]
+    reseed(0)
+    first = deferred_init(Stack)
+    reseed(0)
+    second = deferred_init(Stack)
+    reseed(0)
+    eager = Stack()
+    materialize_module(second)
+    materialize_module(first)
+    assert_bit_identical(eager, first)
+    assert_bit_identical(eager, second)
+
+
 def interleaved(build: Callable[[int, int], nn.Linear]) -> tuple[nn.Linear, nn.Linear]:
     """Two modules built, then initialized in turns, with reseeds, forks and saved states in between."""
     torch.manual_seed(0)
