@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import increment_version
 
 from modattrs._attribute import OwnedAttribute, set_persistent, stored_tensor
 from modattrs._torch_private import FakeTensor, buffers_of, non_persistent_buffers_of, parameters_of
@@ -319,9 +320,19 @@ class ShapedTensor(OwnedAttribute):
             current = parameters_of(owner)[name]
             if current is None or isinstance(current, _UNINITIALIZED):
                 value = nn.Parameter(value)  # the data stays a parameter
+            elif isinstance(value, FakeTensor) is not isinstance(current, FakeTensor):
+                # `.data =` keeps a parameter real or fake: a real one given a fake's data ends up on the meta
+                # device. A parameter of the value's kind takes its place, as a buffer would be replaced.
+                parameter = nn.Parameter(value, requires_grad=current.requires_grad)
+                vars(parameter).update(vars(current))  # attributes set on the parameter, like no_decay flags
+                value = parameter
             else:
                 reshaped = current.shape != value.shape
                 current.data = value  # first: it raises for data a parameter cannot hold, with nothing changed
+                if not current.is_inference():  # (inference tensors have no version counter)
+                    # `.data =` keeps the version counter, which is how cached VirtualTensors depending on the
+                    # parameter see it change.
+                    increment_version(current)
                 if reshaped:
                     current.grad = None  # a gradient of the old shape would break the next backward or step
                 return

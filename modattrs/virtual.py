@@ -17,6 +17,7 @@ from modattrs._cache import Cache
 from modattrs._devices import as_device
 from modattrs._names import callable_name
 from modattrs._torch_private import buffers_of, non_persistent_buffers_of, parameters_of, parse_to, submodules_of
+from modattrs.shaped import ShapedTensor
 
 __all__ = ["VirtualTensor", "sync_references"]
 
@@ -63,7 +64,8 @@ class VirtualTensor(OwnedAttribute):
             attribute that is not a method, or ``dtype``/``device`` have the wrong type.
         AttributeError: ``materializer`` names no attribute of ``owner``.
         ValueError: ``name`` is not an identifier or clashes with an existing attribute, ``device`` is not a
-            valid or available device, or ``follow_dtype=True`` was asked for a non-floating dtype.
+            valid or available device, ``follow_dtype=True`` was asked for a non-floating dtype, or ``depends_on``
+            names a modattrs attribute instead of a tensor (a ShapedTensor's data is ``_{name}_data``).
 
     When the attribute goes away (``del owner.<name>`` or assigning something else to the name), what it
     registered on the owner is removed.
@@ -540,6 +542,15 @@ def _check_depends_on(owner: nn.Module, name: str, depends_on: object) -> tuple[
             raise AttributeError(
                 f"VirtualTensor {name!r}: depends_on names {dependency!r}, which is not a parameter, buffer, "
                 f"submodule or instance attribute of {type(owner).__name__}"
+            )
+        attribute = owner.__dict__.get(dependency)
+        if isinstance(attribute, OwnedAttribute):  # the same object whatever its value does: never a change
+            hint = "name the tensors its materializer reads"
+            if isinstance(attribute, ShapedTensor):
+                hint = f"name its data, {attribute.attributes.data!r}"
+            raise ValueError(
+                f"VirtualTensor {name!r}: depends_on names {dependency!r}, a {type(attribute).__name__}, which stays "
+                f"the same object when its value changes; {hint}"
             )
     return tuple(depends_on)
 

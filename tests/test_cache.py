@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import modattrs
-from modattrs import VirtualTensor
+from modattrs import ShapedTensor, VirtualTensor
 from modattrs.fake import fake_mode
 
 
@@ -205,15 +205,54 @@ def test_the_cache_holds_one_tensor_and_invalidate_or_deleting_the_owner_frees_i
         (("forward",), AttributeError, "depends_on names 'forward', which is not a parameter"),
         ("weight", TypeError, "must be a sequence of attribute names"),
         ((3,), TypeError, "must name attributes"),
+        (("shaped",), ValueError, "names 'shaped', a ShapedTensor, .* name its data, '_shaped_data'"),
+        (("other",), ValueError, "names 'other', a VirtualTensor, .* name the tensors its materializer reads"),
     ],
 )
 def test_bad_depends_on_raises_and_changes_nothing(depends_on: object, error: type[Exception], match: str) -> None:
     m = nn.Module()
     m.weight = nn.Parameter(torch.ones(1))
+    ShapedTensor(m, "shaped", torch.ones(2), {0: 2})
+    VirtualTensor(m, "other", lambda o, dtype, device: torch.ones(1))
+    registered = list(m._buffers)
     with pytest.raises(error, match=match):
         VirtualTensor(m, "x", lambda o, dtype, device: torch.ones(1), cache=True, depends_on=depends_on)  # type: ignore[arg-type]
-    assert list(m._buffers) == []
+    assert list(m._buffers) == registered
     assert "x" not in m.__dict__
+
+
+class Summed(nn.Module):
+    """A cached VirtualTensor computed from a ShapedTensor, declared as depending on its data."""
+
+    def __init__(self, kind: Callable[[Tensor], Tensor]) -> None:
+        super().__init__()
+        ShapedTensor(self, "history", kind(torch.arange(6.0).reshape(3, 2)), {1: 2})
+        VirtualTensor(self, "total", "make_total", cache=True, depends_on=("_history_data",))
+
+    def make_total(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return self.history.value.detach().sum(0).to(dtype)
+
+
+SHAPED_CHANGES: dict[str, Callable[[Summed], None]] = {
+    "reconstrain": lambda m: m.history.reconstrain(0, 2),
+    "assigned, same shape": lambda m: setattr(m.history, "value", torch.ones(3, 2)),
+    "assigned, new shape": lambda m: setattr(m.history, "value", torch.ones(5, 2)),
+}
+
+
+@pytest.mark.parametrize("scoped", [False, True], ids=["lasting cache", "cached() block"])
+@pytest.mark.parametrize("change", SHAPED_CHANGES)
+@pytest.mark.parametrize("kind", [lambda t: t, nn.Parameter], ids=["buffer", "parameter"])
+def test_a_cached_value_depending_on_a_shaped_tensor_sees_its_reconstrain_and_assignment(
+    kind: Callable[[Tensor], Tensor], change: str, scoped: bool
+) -> None:
+    m = Summed(kind)
+    with modattrs.cached() if scoped else contextlib.nullcontext():
+        before = m.total.value
+        SHAPED_CHANGES[change](m)
+        after = m.total.value
+    assert not torch.equal(before, after)
+    assert torch.equal(after, m.history.value.detach().sum(0))
 
 
 # --- the scoped cache -----------------------------------------------------------------------------------------------

@@ -374,6 +374,25 @@ def test_a_constant_written_through_a_parameter_made_from_it_is_never_read_stale
 # --- modattrs attributes ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kind", [lambda t: t, nn.Parameter], ids=["buffer", "parameter"])
+def test_reconstraining_a_real_module_inside_fake_mode_makes_its_tensor_fake_on_its_device(
+    kind: Callable[[Tensor], Tensor],
+) -> None:
+    m = nn.Module()
+    ShapedTensor(m, "cache", kind(torch.arange(6.0).reshape(3, 2)), {1: 2})
+    before = m._cache_data
+    before.flag = "kept"  # type: ignore[union-attr]
+    with fake_mode():
+        m.cache.reconstrain(0, 4)
+    after = m.cache.value
+    assert is_fake(after)
+    assert (after.shape, after.device) == ((4, 2), torch.device("cpu"))  # a real parameter's .data = fake went to meta
+    assert isinstance(after, nn.Parameter) is isinstance(before, nn.Parameter)
+    if isinstance(before, nn.Parameter):
+        assert after.flag == "kept"  # type: ignore[attr-defined]  # a parameter's Python attributes go with it
+    assert torch.equal(before, torch.arange(6.0).reshape(3, 2))  # the real tensor itself is untouched
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_virtual_values_stay_fake_on_the_reference_device_inside_and_after_the_mode(device: str) -> None:
     with fake_mode(fake_cuda=True):
