@@ -425,8 +425,10 @@ class VirtualTensor(OwnedAttribute):
     def _on_loaded(self, owner: nn.Module) -> None:
         with self._lock:
             # In swap mode (torch.__future__.set_swap_module_params_on_conversion) the load swapped the
-            # reference's contents, dtype and device included, into the same object.
+            # reference's contents, dtype and device included, into the same object, and its class: a fake
+            # checkpoint's reference makes it fake, which the hot path must not take for the plain one it checked.
             self._forget()
+            self._ref_seen = self._plain_ref = None
             self._follow_loaded_data(owner)
 
     def _follow_loaded_data(self, owner: nn.Module) -> None:

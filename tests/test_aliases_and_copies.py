@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from modattrs import ShapedTensor, VirtualTensor
-from modattrs.fake import fake_copy
+from modattrs.fake import fake_copy, is_fake
 
 
 def ones(module: nn.Module, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -188,6 +188,27 @@ def test_swap_mode_loads_of_references_of_ever_new_dtypes_each_recompute() -> No
             assert m.x.value.dtype == dtype
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swapping)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("read_before", [False, True], ids=["unread", "read before"])
+def test_a_swap_mode_load_of_a_fake_checkpoint_gives_fake_values_whatever_was_read_before(
+    device: str, read_before: bool
+) -> None:
+    m = nn.Module()
+    VirtualTensor(m, "x", ones, persist=True)
+    if read_before:
+        m.x.value  # the attribute has checked its plain reference: the swap puts a fake one in that object
+    checkpoint = fake_copy(m, device=device).state_dict()
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        m.load_state_dict(checkpoint, assign=True)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+    value = m.x.value
+    assert is_fake(value)
+    assert value.device == torch.device(device if device == "cpu" else "cuda:0")
 
 
 TESTS = Path(__file__).parent
