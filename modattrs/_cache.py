@@ -155,11 +155,18 @@ def read(attribute: Cached, owner: nn.Module, ref: Tensor | None) -> Tensor:
             # cleared while it was computed (by the materializer itself, or another thread). Nor a real module's
             # value read inside a fake mode: it would keep the mode alive, and with it the weak references the
             # mode holds to the module's tensors, which torch.utils.swap_tensors (Module.to in swap mode) refuses.
-            if not keeps_graph(value) and (mode is None or isinstance(ref, FakeTensor)):
+            if not keeps_graph(value) and (mode is None or isinstance(ref, FakeTensor)) and _keepable(value, mode):
                 cache.put(mode, Entry(ref, dtype, mode, snapshot, value, attribute._dtype_from is None), generation)
-    if values is not None:
+    if values is not None and _keepable(value, mode):
         values[id(attribute)] = Entry(ref, dtype, mode, snapshot, value, attribute._dtype_from is None)
     return value
+
+
+def _keepable(value: Tensor, mode: FakeTensorMode | None) -> bool:
+    """Whether ``value``, read in ``mode``, may be kept for that mode. A fake value read outside every fake mode
+    comes from fake tensors of the real module (a deferred submodule's, say) that will be replaced by real ones
+    without the module seeing a change: the entry for real values never holds it."""
+    return mode is not None or not isinstance(value, FakeTensor)
 
 
 def _modes_of(ref: Tensor) -> tuple[FakeTensorMode | None, FakeTensorMode | None, bool]:

@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import modattrs
 from modattrs import ShapedTensor, VirtualTensor
+from modattrs.deferred import deferred_init, materialize_module
 from modattrs.fake import fake_mode
 
 
@@ -253,6 +254,30 @@ def test_a_cached_value_depending_on_a_shaped_tensor_sees_its_reconstrain_and_as
         after = m.total.value
     assert not torch.equal(before, after)
     assert torch.equal(after, m.history.value.detach().sum(0))
+
+
+class Wrapper(nn.Module):
+    """A real module whose cached value is computed from a submodule that may be deferred."""
+
+    def __init__(self, inner: nn.Linear) -> None:
+        super().__init__()
+        self.inner = inner
+        VirtualTensor(self, "squared", "make_squared", cache=True, depends_on=("inner",))
+
+    def make_squared(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return (self.inner.weight.detach() ** 2).to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("scoped", [False, True], ids=["lasting cache", "cached() block"])
+def test_a_fake_value_of_a_real_module_is_not_kept_so_materializing_a_deferred_part_is_seen(scoped: bool) -> None:
+    torch.manual_seed(0)
+    wrapper = Wrapper(deferred_init(nn.Linear, 2, 2))
+    with modattrs.cached() if scoped else contextlib.nullcontext():
+        assert isinstance(wrapper.squared.value, FakeTensor)  # computed from the deferred weight
+        materialize_module(wrapper.inner)
+        value = wrapper.squared.value
+    assert not isinstance(value, FakeTensor)
+    assert torch.equal(value, wrapper.inner.weight.detach() ** 2)
 
 
 # --- the scoped cache -----------------------------------------------------------------------------------------------
