@@ -16,7 +16,14 @@ from modattrs._attribute import OwnedAttribute, own_attributes, set_persistent
 from modattrs._cache import Cache
 from modattrs._devices import as_device
 from modattrs._names import callable_name
-from modattrs._torch_private import buffers_of, non_persistent_buffers_of, parameters_of, parse_to, submodules_of
+from modattrs._torch_private import (
+    FakeTensor,
+    buffers_of,
+    non_persistent_buffers_of,
+    parameters_of,
+    parse_to,
+    submodules_of,
+)
 from modattrs.shaped import ShapedTensor
 
 __all__ = ["VirtualTensor", "sync_references"]
@@ -432,21 +439,27 @@ class VirtualTensor(OwnedAttribute):
             self._follow_loaded_data(owner)
 
     def _follow_loaded_data(self, owner: nn.Module) -> None:
-        # load_state_dict(assign=True) into a meta-built module replaces parameters and persistent buffers but
-        # leaves a non-persistent reference on meta, and may assign a persisted reference of any dtype. Put the
-        # reference where the loaded data is.
+        # load_state_dict(assign=True) into a meta-built or fake-built module replaces parameters and persistent
+        # buffers but leaves a non-persistent reference on meta or fake, and may assign a persisted reference of
+        # any dtype. Put the reference where the loaded data is, real.
         ref = buffers_of(owner).get(self._ref_name)
         if ref is None or ref.numel():
             return
         follows = self._dtype is None
-        if not ref.is_meta and not (follows and not _can_follow(ref.dtype)):
+        elsewhere = ref.is_meta or isinstance(ref, FakeTensor)
+        if not elsewhere and not (follows and not _can_follow(ref.dtype)):
             return
         loaded = _first_real_floating_tensor(owner)
-        if loaded is None:
-            return
-        device = loaded.device if ref.is_meta else ref.device
-        dtype = loaded.dtype if follows else ref.dtype
-        buffers_of(owner)[self._ref_name] = _make_reference(self._name, dtype, device, like=ref)
+        if loaded is not None:
+            self._rebase(owner, loaded.device if elsewhere else ref.device, loaded.dtype)
+
+    def _rebase(self, owner: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
+        """A new, real reference on ``device``, of ``dtype`` if the attribute follows the module's dtype (and
+        ``dtype`` is given), of the reference's dtype otherwise; a meta or fake reference has no data to move."""
+        ref = self._reference(owner)
+        ref_dtype = dtype if self._dtype is None and dtype is not None else ref.dtype
+        buffers_of(owner)[self._ref_name] = _make_reference(self._name, ref_dtype, device)
+        self._forget()
 
     def __repr__(self) -> str:
         return f"VirtualTensor(name={self._name!r}, materializer={self._materializer_name()}, {self._where()})"
@@ -599,28 +612,31 @@ def _make_reference(name: str, dtype: torch.dtype, device: object, like: Tensor 
 def sync_references(
     module: nn.Module, device: torch.device | str | int | None = None, dtype: torch.dtype | None = None
 ) -> None:
-    """Move every :class:`VirtualTensor` reference in ``module`` that is on the meta device to where the data is.
+    """Move every :class:`VirtualTensor` reference in ``module`` that is on the meta device to where the data is,
+    and, in a module holding real data, every fake reference too.
 
-    ``load_state_dict(state, assign=True)`` into a model built on the meta device replaces its parameters and
-    persistent buffers, and leaves non-persistent buffers, references included, on meta. An attribute whose owner
-    holds parameters or buffers moves its reference by itself after such a load; one whose owner holds none (a
-    rotary-embedding module, say) cannot know where the rest of the model went. This function does it for the
-    whole model: the device and, for attributes that follow the module's dtype, the dtype are ``device`` and
-    ``dtype`` when given, and otherwise those of the first floating-point tensor with data in ``module``.
+    ``load_state_dict(state, assign=True)`` into a model built on the meta device (or in fake mode) replaces its
+    parameters and persistent buffers, and leaves non-persistent buffers, references included, on meta (or fake).
+    An attribute whose owner holds parameters or buffers moves its reference by itself after such a load; one whose
+    owner holds none (a rotary-embedding module, say) cannot know where the rest of the model went. This function
+    does it for the whole model: the device and, for attributes that follow the module's dtype, the dtype are
+    ``device`` and ``dtype`` when given, and otherwise those of the first floating-point tensor with data in
+    ``module``.
 
     Raises:
         ValueError: a reference is on meta, no ``device`` was given and ``module`` has no tensor with data.
     """
+    loaded = _first_real_floating_tensor(module)
     pending = [
         attribute
         for submodule in module.modules()
         for attribute in own_attributes(submodule)
-        if isinstance(attribute, VirtualTensor) and attribute._reference().is_meta
+        if isinstance(attribute, VirtualTensor)
+        and (attribute._reference().is_meta or (loaded is not None and isinstance(attribute._reference(), FakeTensor)))
     ]
     if not pending:
         return
     if device is None or dtype is None:
-        loaded = _first_real_floating_tensor(module)
         if loaded is None and device is None:
             raise ValueError(
                 f"cannot move {len(pending)} VirtualTensor reference(s) off the meta device: "
@@ -633,15 +649,16 @@ def sync_references(
             f"sync_references: VirtualTensors follow the module's dtype, which must be floating-point or complex, "
             f"got {dtype}; pass a floating dtype, or dtype=None to keep theirs"
         )
+    target = as_device(device, "sync_references")
     for attribute in pending:
-        attribute.to(device=device, dtype=dtype if attribute.follow_dtype else None)
+        attribute._rebase(attribute._live_owner(), target, dtype)
 
 
 def _first_real_floating_tensor(module: nn.Module) -> Tensor | None:
-    """The first floating-point tensor with data of ``module``: parameters first (its own, then its children's),
-    then buffers."""
+    """The first floating-point tensor with data of ``module`` (neither meta nor fake): parameters first (its own,
+    then its children's), then buffers."""
     for tensor in itertools.chain(module.parameters(), module.buffers()):
-        if tensor.is_floating_point() and tensor.numel() and not tensor.is_meta:
+        if tensor.is_floating_point() and tensor.numel() and not tensor.is_meta and not isinstance(tensor, FakeTensor):
             return tensor
     return None
 

@@ -18,6 +18,7 @@ from torch import nn
 
 import modattrs
 from modattrs import ShapedTensor, VirtualTensor
+from modattrs.fake import fake_mode, is_fake
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
@@ -309,6 +310,29 @@ def test_assign_load_into_a_meta_model_moves_references_of_owners_with_parameter
     modattrs.sync_references(target)
     assert (target.empty.twos.device, target.empty.twos.dtype) == (torch.device("cpu"), torch.bfloat16)
     assert_same_values(target, source)
+
+
+def test_assign_load_into_a_fake_model_makes_its_references_real() -> None:
+    source = models.Outer().to(torch.bfloat16)
+    with fake_mode():
+        target = models.Outer()
+    target.load_state_dict(source.state_dict(), assign=True)
+    for owner, name in [(target.block, "_weight_sum_ref"), (target.block, "_ramp_ref"), (target, "_twice_ref")]:
+        ref = owner._buffers[name]
+        assert not is_fake(ref), name
+        assert (ref.device, ref.dtype) == (torch.device("cpu"), torch.bfloat16), name
+    assert is_fake(target.empty._buffers["_twos_ref"])  # no tensor of its own to follow: sync_references does it
+    modattrs.sync_references(target)
+    assert not is_fake(target.empty.twos.value)
+    assert (target.empty.twos.device, target.empty.twos.dtype) == (torch.device("cpu"), torch.bfloat16)
+    assert_same_values(target, source)
+
+
+def test_sync_references_leaves_the_fake_references_of_a_fake_model_alone() -> None:
+    with fake_mode():
+        module = models.Outer()
+    modattrs.sync_references(module)
+    assert all(is_fake(ref) for name, ref in module.named_buffers() if name.endswith("_ref"))
 
 
 def test_sync_references_takes_an_explicit_device_and_dtype() -> None:
