@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import modattrs.deferred
-from modattrs import VirtualTensor
+from modattrs import ShapedTensor, VirtualTensor
 from modattrs.deferred import (
     DeferredInitError,
     deferred_init,
@@ -292,6 +292,20 @@ def test_virtual_and_shaped_attributes_work_before_and_after_materializing() -> 
     deferred.state.value = torch.ones(3, 4)
     with pytest.raises(ValueError, match="ShapedTensor 'state'"):
         deferred.state.value = torch.ones(3, 5)
+
+
+class ShapedParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        ShapedTensor(self, "kv", nn.Parameter(torch.zeros(3, 4)), {1: 4})
+
+
+def test_real_data_assigned_to_a_deferred_shaped_parameter_is_kept_by_materializing() -> None:
+    module = deferred_init(ShapedParameter)
+    module.kv.value = torch.ones(2, 4)  # a real parameter takes the deferred one's place
+    materialize_module(module)
+    assert isinstance(module._kv_data, nn.Parameter)
+    assert torch.equal(module.kv.value, torch.ones(2, 4))
 
 
 # --- after recording -------------------------------------------------------------------------------------------------
