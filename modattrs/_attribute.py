@@ -109,9 +109,10 @@ class OwnedAttribute:
         if self._owner_ref is _DETACHED:
             return self._replaced()
         return ReferenceError(
-            f"{type(self).__name__} {self._name!r} has no owner: the module it belonged to was deleted (a "
-            "temporary, as in Model().attr.value, is deleted at once); keep a reference to the module while "
-            "its attributes are used"
+            f"{type(self).__name__} {self._name!r} has no owner: the module it belonged to was deleted. A "
+            "temporary, as in Model().attr.value, is deleted at once; and copying (copy.deepcopy, pickle, fake_copy) "
+            "a module that holds another module's attribute (an alias) copies that owner too, which nothing else "
+            "holds. Keep a reference to the module while its attributes are used, and copy the module that owns them"
         )
 
     def _claim(self, owner: object, name: object) -> tuple[nn.Module, str]:

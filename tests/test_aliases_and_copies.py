@@ -54,6 +54,16 @@ def test_a_copy_keeps_an_alias_reached_before_its_owner_one_attribute(how: str) 
     assert "rotary._cos_ref" in twin.state_dict()
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "fake_copy", "pickle"])
+def test_a_copy_of_a_module_holding_only_an_alias_says_its_owner_was_copied_and_dropped(how: str) -> None:
+    model = Model()
+    copies = {"deepcopy": copy.deepcopy, "fake_copy": fake_copy, "pickle": lambda m: pickle.loads(pickle.dumps(m))}
+    twin = copies[how](model.layer)  # holds the alias, not the module that owns the attribute
+    gc.collect()
+    with pytest.raises(ReferenceError, match=r"'cos' has no owner.*an alias.*copy the module that owns them"):
+        twin.cos.value
+
+
 def test_a_copy_of_an_attribute_is_the_attribute() -> None:
     m = Rotary()
     duplicate = copy.copy(m.cos)
