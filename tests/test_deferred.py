@@ -300,6 +300,21 @@ class ShapedParameter(nn.Module):
         ShapedTensor(self, "kv", nn.Parameter(torch.zeros(3, 4)), {1: 4})
 
 
+class BuildsPartInFakeMode(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(2, 2)
+        with fake_mode():
+            self.second = nn.Linear(2, 2)
+
+
+def test_fake_mode_inside_deferred_init_is_refused_where_it_is_entered() -> None:
+    with pytest.raises(DeferredInitError, match=r"fake_mode\(\) was entered while deferred_init records"):
+        deferred_init(BuildsPartInFakeMode)
+    with fake_mode():  # the refusal leaves nothing behind
+        assert is_fake(torch.ones(1))
+
+
 def test_real_data_assigned_to_a_deferred_shaped_parameter_is_kept_by_materializing() -> None:
     module = deferred_init(ShapedParameter)
     module.kv.value = torch.ones(2, 4)  # a real parameter takes the deferred one's place
