@@ -130,12 +130,17 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        if _spoofed_cuda.current() is None:
+        spoofing = _spoofed_cuda.state
+        if not spoofing.stack or spoofing.truthful:
             return self._dispatch(func, types, args, kwargs)
         # Below the dispatcher is torch's code, which asks torch.cuda.is_available() whether it may make real CUDA
         # tensors (torch 2.8 does, for every new fake CUDA tensor; 2.13 does not): it gets torch's own answers.
-        with _spoofed_cuda.truthful():
+        # (_spoofed_cuda.truthful(), inlined: a generator context manager here cost a tenth of a fake build.)
+        spoofing.truthful = True
+        try:
             return self._dispatch(func, types, args, kwargs)
+        finally:
+            spoofing.truthful = False
 
     def _dispatch(self, func: Any, types: Sequence[type], args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> Any:
         first = args[0] if args else None
@@ -206,15 +211,29 @@ def check_device(device: object) -> None:
     those past the spoofed device count."""
     if device is None:
         return
+    limit = _spoofed_cuda.device_limit()
+    key = (type(device), device, limit)  # the type too: True == 1, and as_device refuses a bool
+    try:
+        if key in _ACCEPTED:  # every factory call with a device= comes here
+            return
+    except TypeError:  # not hashable: as_device says what is wrong with it
+        pass
     device = as_device(device, "fake tensor")
-    if device.type != "cuda":
-        return
+    if device.type == "cuda":
+        _check_cuda(device, limit)
+    _ACCEPTED.add(key)  # what fake CUDA's setup and the count allow stays allowed: neither can be undone
+
+
+#: (type, device argument, spoofed device count) that check_device accepted.
+_ACCEPTED: set[tuple[type, object, int]] = set()
+
+
+def _check_cuda(device: torch.device, limit: int) -> None:
     if not _cuda_guard.ready():
         raise RuntimeError(
             f"fake tensors on {device} need modattrs.fake.fake_mode(fake_cuda=True) (or fake_copy to a CUDA device) "
             "first, on this machine, which has no GPU"
         )
-    limit = _spoofed_cuda.device_limit()
     if device.index is not None and device.index >= limit and not _cuda_guard.gpu_present():
         if limit == _spoofed_cuda.MAX_DEVICES:
             raise ValueError(f"{device}: torch's fake CUDA device guard knows cuda:0 to cuda:{limit - 1} only")

@@ -93,7 +93,14 @@ class Spoof:
     device_count: int
 
 
-_local = threading.local()  # .stack: this thread's spoofed blocks, innermost last; .truthful: inside truthful()
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Spoof] = []  # this thread's spoofed blocks, innermost last
+        self.truthful = False  # inside truthful()
+
+
+#: This thread's spoofed blocks and truthful() state (plain attributes: the fake mode reads them for every operation).
+state = _ThreadState()
 
 
 def check(gpu: GPU, device_count: int) -> Spoof:
@@ -111,7 +118,7 @@ def check(gpu: GPU, device_count: int) -> Spoof:
 @contextlib.contextmanager
 def spoofing(spoof: Spoof) -> Iterator[None]:
     """Make this thread's ``torch.cuda`` device queries describe ``spoof`` until the block ends."""
-    stack = _stack()
+    stack = state.stack
     stack.append(spoof)
     try:
         yield
@@ -121,9 +128,9 @@ def spoofing(spoof: Spoof) -> Iterator[None]:
 
 def current() -> Spoof | None:
     """This thread's innermost spoof, or None outside spoofed blocks (and inside :func:`truthful`)."""
-    if getattr(_local, "truthful", False):
+    if state.truthful:
         return None
-    stack = _stack()
+    stack = state.stack
     return stack[-1] if stack else None
 
 
@@ -131,12 +138,12 @@ def current() -> Spoof | None:
 def truthful() -> Iterator[None]:
     """Let torch's own device queries answer in this thread until the block ends: for torch's fake tensor mode and
     modattrs itself, which must know whether a real GPU is there."""
-    before = getattr(_local, "truthful", False)
-    _local.truthful = True
+    before = state.truthful
+    state.truthful = True
     try:
         yield
     finally:
-        _local.truthful = before
+        state.truthful = before
 
 
 def real_device_count() -> int:
@@ -148,15 +155,8 @@ def real_device_count() -> int:
 def device_limit() -> int:
     """How many spoofed CUDA devices this thread may use now: the innermost block's count (inside
     :func:`truthful` too), else every one."""
-    stack = _stack()
+    stack = state.stack
     return stack[-1].device_count if stack else MAX_DEVICES
-
-
-def _stack() -> list[Spoof]:
-    stack: list[Spoof] | None = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
 
 
 def _index(spoof: Spoof, device: Any, function: str) -> int:

@@ -66,6 +66,17 @@ def test_a_chosen_gpu_and_device_count_are_described_and_devices_past_the_count_
         assert torch.cuda.get_device_name() == A100.name
 
 
+@pytest.mark.parametrize("device", ["cuda:3", torch.device("cuda", 3)], ids=["str", "torch.device"])
+def test_a_device_made_under_a_larger_count_is_refused_under_a_smaller_one_and_again_allowed(device: object) -> None:
+    for count, allowed in [(8, True), (2, False), (4, True), (3, False)]:
+        with fake_mode(fake_cuda=True, device_count=count):
+            if allowed:
+                assert torch.empty(1, device=device).device == torch.device("cuda:3")  # type: ignore[call-overload]
+            else:
+                with pytest.raises(ValueError, match=f"spoofs {count} CUDA devices"):
+                    torch.empty(1, device=device)  # type: ignore[call-overload]
+
+
 def test_a_gpu_of_your_own_is_described() -> None:
     l4 = GPU("NVIDIA L4", major=8, minor=9, total_memory=22_491 * 2**20, multi_processor_count=58)
     with fake_mode(fake_cuda=True, gpu=l4, device_count=1):
