@@ -198,8 +198,8 @@ def drew(record: Record) -> None:
     with lock:
         point = (record, len(record.ops))
         record.point, record.point_epoch = point, epoch
-        with disable_current_modes():
-            torch.empty(()).random_()
+        with disable_current_modes():  # on the CPU whatever the default device (its generator is the one)
+            torch.empty((), dtype=torch.float32, device="cpu").random_()
         move_to(point)
 
 
