@@ -25,10 +25,12 @@ The process-wide changes that fake mode needs are made by ``_torch_changes``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from modattrs import _cuda_guard, _spoofed_cuda
 from modattrs._devices import as_device
@@ -40,6 +42,7 @@ from modattrs._torch_private import (
     FakeTensorConverter,
     FakeTensorMode,
     call_as_meta,
+    disable_current_modes,
     fake_tensor_attributes,
     forget_constant_aliases,
     normalize_fake_device,
@@ -204,6 +207,25 @@ def _normalized(device: torch.device) -> torch.device:
     ):
         _NORMALIZED[device] = normalized
     return normalized
+
+
+def user_attributes(tensor: torch.Tensor) -> dict[str, Any]:
+    """The Python attributes a user set on ``tensor`` (a ``no_decay`` flag, say), for a tensor made to replace it.
+
+    A fake tensor keeps its mode, its device and more in its ``__dict__``, and a parameter made of one a flag: they
+    belong to that tensor, and copied onto another they would give it the old one's device and mode.
+    """
+    internal = _torch_fields()
+    return {name: value for name, value in vars(tensor).items() if name not in internal}
+
+
+@functools.cache
+def _torch_fields() -> frozenset[str]:
+    """The names torch keeps in the ``__dict__`` of a fake tensor and of a parameter made of one."""
+    with disable_current_modes():
+        fake = FakeTensor(FakeTensorMode(), torch.empty(1, device="meta"), torch.device("cpu"))
+        parameter = nn.Parameter(fake)
+    return frozenset(vars(fake)) | frozenset(vars(parameter))
 
 
 def check_device(device: object) -> None:

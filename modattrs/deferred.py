@@ -440,8 +440,9 @@ def _ref_of(label: str, tensor: FakeTensor) -> int:
 
 def _not_recorded(label: str) -> DeferredInitError:
     return DeferredInitError(
-        f"{label} is a fake tensor that no deferred_init recorded (made by fake_mode or fake_copy), so there is "
-        "nothing to replay for it; build it inside the deferred_init call, or assign a real tensor"
+        f"{label} is a fake tensor that no deferred_init recorded: fake_mode or fake_copy made it, outside "
+        "deferred_init or in a fake_mode block inside the function deferred_init records, so there is nothing to "
+        "replay for it; build it inside the deferred_init call without fake_mode, or assign a real tensor"
     )
 
 

@@ -20,10 +20,8 @@ from torch import Tensor, nn
 
 from modattrs import _spoofed_cuda, _torch_changes
 from modattrs._devices import as_device
-from modattrs._fake_tensors import ModattrsFakeTensorMode, check_device
+from modattrs._fake_tensors import ModattrsFakeTensorMode, check_device, user_attributes
 from modattrs._module_tensors import all_tensors
-from modattrs._record import DeferredInitError
-from modattrs._recorder import recording_in_this_thread
 from modattrs._spoofed_cuda import A100, GPU, H100
 from modattrs._torch_private import (
     FakeTensor,
@@ -70,20 +68,12 @@ def fake_mode(
 
     Raises:
         RuntimeError: ``fake_cuda`` was asked for on a CPU-only build where the device guard cannot be built
-            (no C++ compiler); the message names the alternatives. A ``DeferredInitError`` (a ``RuntimeError``):
-            entered inside the function that ``deferred_init`` records.
+            (no C++ compiler); the message names the alternatives.
         ValueError: ``gpu`` or ``device_count`` without ``fake_cuda=True``, or a device count out of range.
     """
     if not fake_cuda and (gpu is not None or device_count is not None):
         raise ValueError(
             "fake_mode: gpu= and device_count= choose the GPU that spoofed CUDA describes; pass fake_cuda=True too"
-        )
-    if recording_in_this_thread():
-        # Its tensors would belong to no record: deferred_init would return, and materializing would find them.
-        raise DeferredInitError(
-            "fake_mode() was entered while deferred_init records (in the function it was given); build the "
-            "submodule directly: everything inside deferred_init is deferred already, and materialize_module makes "
-            "it real"
         )
     spoof = _spoofed_cuda.check(
         H100 if gpu is None else gpu, _spoofed_cuda.MAX_DEVICES if device_count is None else device_count
@@ -155,7 +145,7 @@ def _fake_of(mode: FakeTensorMode, name: str, tensor: Tensor, device: torch.devi
     fake = FakeTensor(mode, meta, tensor.device if device is None else device)
     if isinstance(tensor, nn.Parameter):
         parameter = nn.Parameter(fake, requires_grad=tensor.requires_grad)
-        vars(parameter).update(copy.copy(vars(tensor)))  # attributes set on the parameter, like no_decay flags
+        vars(parameter).update(copy.copy(user_attributes(tensor)))  # like no_decay flags
         return parameter
     return fake
 

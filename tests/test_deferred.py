@@ -7,6 +7,7 @@ import functools
 import gc
 import inspect
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -31,7 +32,7 @@ from modattrs.deferred import (
     materialize_tensor,
     register_opaque_init,
 )
-from modattrs.fake import fake_mode, is_fake
+from modattrs.fake import fake_copy, fake_mode, is_fake
 from tests.deferred_models import (
     CachedFromSubmodule,
     DataAssignedAndViews,
@@ -300,7 +301,16 @@ class ShapedParameter(nn.Module):
         ShapedTensor(self, "kv", nn.Parameter(torch.zeros(3, 4)), {1: 4})
 
 
-class BuildsPartInFakeMode(nn.Module):
+class ProbesAShapeInFakeMode(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, kernel_size=3)
+        with fake_mode():  # only a shape is kept
+            width = self.conv(torch.empty(1, 2, 8)).shape[-1]
+        self.head = nn.Linear(3 * width, 2)
+
+
+class KeepsAPartBuiltInFakeMode(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.first = nn.Linear(2, 2)
@@ -308,11 +318,15 @@ class BuildsPartInFakeMode(nn.Module):
             self.second = nn.Linear(2, 2)
 
 
-def test_fake_mode_inside_deferred_init_is_refused_where_it_is_entered() -> None:
-    with pytest.raises(DeferredInitError, match=r"fake_mode\(\) was entered while deferred_init records"):
-        deferred_init(BuildsPartInFakeMode)
-    with fake_mode():  # the refusal leaves nothing behind
-        assert is_fake(torch.ones(1))
+def test_a_fake_mode_block_inside_deferred_init_may_probe_shapes_but_not_build_what_is_kept() -> None:
+    torch.manual_seed(0)
+    eager = ProbesAShapeInFakeMode()
+    torch.manual_seed(0)
+    deferred = deferred_init(ProbesAShapeInFakeMode)
+    materialize_module(deferred)
+    assert_bit_identical(eager, deferred)
+    with pytest.raises(DeferredInitError, match=r"'second.weight' .*in a fake_mode block inside the function"):
+        materialize_module(deferred_init(KeepsAPartBuiltInFakeMode))
 
 
 def test_real_data_assigned_to_a_deferred_shaped_parameter_is_kept_by_materializing() -> None:
@@ -321,6 +335,9 @@ def test_real_data_assigned_to_a_deferred_shaped_parameter_is_kept_by_materializ
     materialize_module(module)
     assert isinstance(module._kv_data, nn.Parameter)
     assert torch.equal(module.kv.value, torch.ones(2, 4))
+    assert vars(module._kv_data) == {}  # nothing of the fake parameter it replaced
+    assert torch.equal(pickle.loads(pickle.dumps(module)).kv.value, torch.ones(2, 4))
+    assert fake_copy(module, device="cuda").kv.value.device == torch.device("cuda:0")
 
 
 # --- after recording -------------------------------------------------------------------------------------------------

@@ -307,6 +307,16 @@ def test_fake_copy_fakes_tensors_inside_containers_on_the_twin_device_keeping_ti
     assert bool(model.masks[0].all())  # the original is untouched
 
 
+def test_fake_copy_of_a_fake_module_puts_its_parameters_on_the_device_asked_for() -> None:
+    with fake_mode() as mode:
+        model = nn.Linear(2, 2)
+    model.weight.no_decay = True  # type: ignore[attr-defined]
+    twin = fake_copy(model, device="cuda:1")
+    assert twin.weight.device == torch.device("cuda:1")
+    assert twin.weight.fake_mode is not mode  # type: ignore[attr-defined]
+    assert twin.weight.no_decay  # type: ignore[attr-defined]
+
+
 def test_fake_copy_inside_fake_mode_uses_that_mode() -> None:
     with fake_mode() as mode:
         twin = fake_copy(nn.Linear(2, 2))
