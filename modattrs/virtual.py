@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -457,7 +457,7 @@ class VirtualTensor(OwnedAttribute):
         """A new, real reference on ``device``, of ``dtype`` if the attribute follows the module's dtype (and
         ``dtype`` is given), of the reference's dtype otherwise; a meta or fake reference has no data to move."""
         ref = self._reference(owner)
-        ref_dtype = dtype if self._dtype is None and dtype is not None else ref.dtype
+        ref_dtype = dtype if self.follow_dtype and dtype is not None else ref.dtype
         buffers_of(owner)[self._ref_name] = _make_reference(self._name, ref_dtype, device)
         self._forget()
 
@@ -613,7 +613,8 @@ def sync_references(
     module: nn.Module, device: torch.device | str | int | None = None, dtype: torch.dtype | None = None
 ) -> None:
     """Move every :class:`VirtualTensor` reference in ``module`` that is on the meta device to where the data is,
-    and, in a module holding real data, every fake reference too.
+    and make real every fake reference in a part of ``module`` that holds real data (a loaded block of a model
+    built in fake mode; blocks still fake keep theirs).
 
     ``load_state_dict(state, assign=True)`` into a model built on the meta device (or in fake mode) replaces its
     parameters and persistent buffers, and leaves non-persistent buffers, references included, on meta (or fake).
@@ -629,10 +630,10 @@ def sync_references(
     loaded = _first_real_floating_tensor(module)
     pending = [
         attribute
-        for submodule in module.modules()
+        for submodule, holds_real_data in _holding_real_data(module)
         for attribute in own_attributes(submodule)
         if isinstance(attribute, VirtualTensor)
-        and (attribute._reference().is_meta or (loaded is not None and isinstance(attribute._reference(), FakeTensor)))
+        and (attribute._reference().is_meta or (holds_real_data and isinstance(attribute._reference(), FakeTensor)))
     ]
     if not pending:
         return
@@ -651,7 +652,44 @@ def sync_references(
         )
     target = as_device(device, "sync_references")
     for attribute in pending:
-        attribute._rebase(attribute._live_owner(), target, dtype)
+        with attribute._lock:
+            attribute._rebase(attribute._live_owner(), target, dtype)
+
+
+def _holding_real_data(module: nn.Module) -> Iterator[tuple[nn.Module, bool]]:
+    """Each submodule of ``module``, and whether it holds real data: the floating-point tensors with elements of its
+    subtree are all real (neither fake nor meta), and there is one. A submodule whose subtree holds none (a rotary
+    module) takes its parent's answer. A model loaded block by block has blocks that are still fake: their
+    references stay fake."""
+    kinds: dict[int, tuple[bool, bool]] = {}  # id of a module -> its subtree holds real data, fake or meta data
+
+    def gather(node: nn.Module) -> tuple[bool, bool]:
+        if id(node) in kinds:  # shared, or being gathered
+            return kinds[id(node)]
+        kinds[id(node)] = (False, False)
+        real = fake = False
+        for tensor in itertools.chain(parameters_of(node).values(), buffers_of(node).values()):
+            if tensor is not None and tensor.is_floating_point() and tensor.numel():
+                if tensor.is_meta or isinstance(tensor, FakeTensor):
+                    fake = True
+                else:
+                    real = True
+        for child in submodules_of(node).values():
+            if child is not None:
+                child_real, child_fake = gather(child)
+                real, fake = real or child_real, fake or child_fake
+        kinds[id(node)] = (real, fake)
+        return real, fake
+
+    gather(module)
+    answers: dict[str, bool] = {}
+    for prefix, submodule in module.named_modules():
+        real, fake = kinds[id(submodule)]
+        if real or fake:
+            answers[prefix] = real and not fake
+        else:
+            answers[prefix] = answers.get(prefix.rpartition(".")[0], False) if prefix else False
+        yield submodule, answers[prefix]
 
 
 def _first_real_floating_tensor(module: nn.Module) -> Tensor | None:

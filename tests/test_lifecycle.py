@@ -335,6 +335,17 @@ def test_sync_references_leaves_the_fake_references_of_a_fake_model_alone() -> N
     assert all(is_fake(ref) for name, ref in module.named_buffers() if name.endswith("_ref"))
 
 
+def test_sync_references_after_loading_one_block_of_a_fake_model_leaves_the_others_fake() -> None:
+    with fake_mode(fake_cuda=True), torch.device("cuda"):
+        model = nn.ModuleDict({"loaded": models.Outer(), "pending": models.Outer()})
+    model["loaded"].load_state_dict(models.Outer().state_dict(), assign=True)
+    modattrs.sync_references(model)
+    for name, ref in model.named_buffers():
+        if name.endswith("_ref"):
+            assert is_fake(ref) is name.startswith("pending."), name
+            assert ref.device == torch.device("cuda:0" if name.startswith("pending.") else "cpu"), name
+
+
 def test_sync_references_takes_an_explicit_device_and_dtype() -> None:
     with torch.device("meta"):
         module = models.Outer()
