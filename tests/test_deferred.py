@@ -319,12 +319,8 @@ class KeepsAPartBuiltInFakeMode(nn.Module):
 
 
 def test_a_fake_mode_block_inside_deferred_init_may_probe_shapes_but_not_build_what_is_kept() -> None:
-    torch.manual_seed(0)
-    eager = ProbesAShapeInFakeMode()
-    torch.manual_seed(0)
-    deferred = deferred_init(ProbesAShapeInFakeMode)
-    materialize_module(deferred)
-    assert_bit_identical(eager, deferred)
+    eager, materialized = eager_and_materialized(ProbesAShapeInFakeMode)
+    assert_bit_identical(eager, materialized)
     with pytest.raises(DeferredInitError, match=r"'second.weight' .*in a fake_mode block inside the function"):
         materialize_module(deferred_init(KeepsAPartBuiltInFakeMode))
 
