@@ -209,14 +209,17 @@ def _normalized(device: torch.device) -> torch.device:
     return normalized
 
 
-def user_attributes(tensor: torch.Tensor) -> dict[str, Any]:
-    """The Python attributes a user set on ``tensor`` (a ``no_decay`` flag, say), for a tensor made to replace it.
+def parameter_like(data: torch.Tensor, old: torch.Tensor) -> nn.Parameter:
+    """A parameter of ``data`` that takes the place of ``old``: its ``requires_grad``, and the Python attributes a
+    user set on it (a ``no_decay`` flag, say).
 
-    A fake tensor keeps its mode, its device and more in its ``__dict__``, and a parameter made of one a flag: they
-    belong to that tensor, and copied onto another they would give it the old one's device and mode.
+    Not the rest of its ``__dict__``: a fake tensor keeps its mode, its device and more there, and a parameter made
+    of one a flag; copied onto another tensor they would give it the old one's device and mode.
     """
+    parameter = nn.Parameter(data, requires_grad=old.requires_grad)
     internal = _torch_fields()
-    return {name: value for name, value in vars(tensor).items() if name not in internal}
+    vars(parameter).update((name, value) for name, value in vars(old).items() if name not in internal)
+    return parameter
 
 
 @functools.cache

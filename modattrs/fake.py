@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from modattrs import _spoofed_cuda, _torch_changes
 from modattrs._devices import as_device
-from modattrs._fake_tensors import ModattrsFakeTensorMode, check_device, user_attributes
+from modattrs._fake_tensors import ModattrsFakeTensorMode, check_device, parameter_like
 from modattrs._module_tensors import all_tensors
 from modattrs._spoofed_cuda import A100, GPU, H100
 from modattrs._torch_private import (
@@ -144,9 +144,7 @@ def _fake_of(mode: FakeTensorMode, name: str, tensor: Tensor, device: torch.devi
         meta = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="meta")
     fake = FakeTensor(mode, meta, tensor.device if device is None else device)
     if isinstance(tensor, nn.Parameter):
-        parameter = nn.Parameter(fake, requires_grad=tensor.requires_grad)
-        vars(parameter).update(copy.copy(user_attributes(tensor)))  # like no_decay flags
-        return parameter
+        return parameter_like(fake, tensor)
     return fake
 
 

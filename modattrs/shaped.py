@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import increment_version
 
 from modattrs._attribute import OwnedAttribute, set_persistent, stored_tensor
-from modattrs._fake_tensors import user_attributes
+from modattrs._fake_tensors import parameter_like
 from modattrs._torch_private import FakeTensor, buffers_of, non_persistent_buffers_of, parameters_of
 
 __all__ = ["ShapedTensor"]
@@ -324,9 +324,7 @@ class ShapedTensor(OwnedAttribute):
             elif isinstance(value, FakeTensor) is not isinstance(current, FakeTensor):
                 # `.data =` keeps a parameter real or fake: a real one given a fake's data ends up on the meta
                 # device. A parameter of the value's kind takes its place, as a buffer would be replaced.
-                parameter = nn.Parameter(value, requires_grad=current.requires_grad)
-                vars(parameter).update(user_attributes(current))  # like no_decay flags
-                value = parameter
+                value = parameter_like(value, current)
             else:
                 reshaped = current.shape != value.shape
                 current.data = value  # first: it raises for data a parameter cannot hold, with nothing changed

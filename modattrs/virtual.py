@@ -446,7 +446,7 @@ class VirtualTensor(OwnedAttribute):
         if ref is None or ref.numel():
             return
         follows = self._dtype is None
-        elsewhere = ref.is_meta or isinstance(ref, FakeTensor)
+        elsewhere = _without_data(ref)
         if not elsewhere and not (follows and not _can_follow(ref.dtype)):
             return
         loaded = _first_real_floating_tensor(owner)
@@ -632,8 +632,7 @@ def sync_references(
         attribute
         for submodule, holds_real_data in _holding_real_data(module)
         for attribute in own_attributes(submodule)
-        if isinstance(attribute, VirtualTensor)
-        and (attribute._reference().is_meta or (holds_real_data and isinstance(attribute._reference(), FakeTensor)))
+        if isinstance(attribute, VirtualTensor) and _needs_rebase(attribute._reference(), holds_real_data)
     ]
     if not pending:
         return
@@ -670,7 +669,7 @@ def _holding_real_data(module: nn.Module) -> Iterator[tuple[nn.Module, bool]]:
         real = fake = False
         for tensor in itertools.chain(parameters_of(node).values(), buffers_of(node).values()):
             if tensor is not None and tensor.is_floating_point() and tensor.numel():
-                if tensor.is_meta or isinstance(tensor, FakeTensor):
+                if _without_data(tensor):
                     fake = True
                 else:
                     real = True
@@ -696,9 +695,19 @@ def _first_real_floating_tensor(module: nn.Module) -> Tensor | None:
     """The first floating-point tensor with data of ``module`` (neither meta nor fake): parameters first (its own,
     then its children's), then buffers."""
     for tensor in itertools.chain(module.parameters(), module.buffers()):
-        if tensor.is_floating_point() and tensor.numel() and not tensor.is_meta and not isinstance(tensor, FakeTensor):
+        if tensor.is_floating_point() and tensor.numel() and not _without_data(tensor):
             return tensor
     return None
+
+
+def _without_data(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is meta or fake: it has a device and no data there."""
+    return tensor.is_meta or isinstance(tensor, FakeTensor)
+
+
+def _needs_rebase(ref: Tensor, holds_real_data: bool) -> bool:
+    """For sync_references: a reference on meta, or a fake one where the module part holds real data."""
+    return ref.is_meta or (holds_real_data and isinstance(ref, FakeTensor))
 
 
 def _can_follow(dtype: torch.dtype) -> bool:
