@@ -236,8 +236,11 @@ def non_persistent_buffers_of(module: nn.Module) -> set[str]:
     return module._non_persistent_buffers_set
 
 
+#: The name of the buffer dictionary, for modattrs/_speedups.c, which reads it for VirtualTensor.value.
+BUFFER_TABLE = "_buffers"
+
 #: The names of those three dictionaries in a module's ``__dict__``, which also holds its plain attributes.
-TABLE_NAMES = frozenset({"_parameters", "_buffers", "_modules"})
+TABLE_NAMES = frozenset({"_parameters", BUFFER_TABLE, "_modules"})
 
 
 def module_initialized(module: nn.Module) -> bool:

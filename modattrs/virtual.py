@@ -17,6 +17,7 @@ from modattrs._cache import Cache
 from modattrs._devices import as_device
 from modattrs._names import callable_name
 from modattrs._torch_private import (
+    BUFFER_TABLE,
     FakeTensor,
     buffers_of,
     non_persistent_buffers_of,
@@ -26,12 +27,21 @@ from modattrs._torch_private import (
 )
 from modattrs.shaped import ShapedTensor
 
+_speedups: types.ModuleType | None
+try:
+    from modattrs import _speedups
+except ImportError:  # installed without a C compiler: the same reads, in Python
+    _speedups = None
+
 __all__ = ["VirtualTensor", "sync_references"]
 
 #: A callable materializer: ``fn(owner, dtype, device) -> Tensor``.
 Materializer = Callable[[nn.Module, torch.dtype, torch.device], Tensor]
 
 _CPU = torch.device("cpu")
+
+# dynamo knows is_dynamo_compiling by the function object, whatever its name.
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
 class VirtualTensorAttributes(NamedTuple):
@@ -189,6 +199,12 @@ class VirtualTensor(OwnedAttribute):
 
         The materializer is asked for that dtype and device; a result that has another one is converted.
         """
+        if _dynamo_compiling():  # dynamo traces Python: the compiled hot path would be called, not traced
+            return self._read()
+        return _read(self)
+
+    def _read(self) -> Tensor:
+        """The value: what :attr:`value` means. ``modattrs._speedups.read`` takes its hot path in C."""
         owner = self._owner_ref()
         if owner is None:
             raise self._owner_gone()
@@ -492,6 +508,13 @@ class VirtualTensor(OwnedAttribute):
         if self._method is not None:
             return repr(self._method)
         return callable_name(self._function)
+
+
+#: What :attr:`VirtualTensor.value` calls outside dynamo: ``VirtualTensor._read``, compiled when it could be built.
+_read: Callable[[VirtualTensor], Tensor] = VirtualTensor._read
+if _speedups is not None:
+    _speedups.bind(VirtualTensor, BUFFER_TABLE)
+    _read = _speedups.read
 
 
 def _check_materializer(owner: nn.Module, name: str, materializer: object) -> tuple[str | None, Materializer]:

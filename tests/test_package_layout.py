@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import modattrs
@@ -156,3 +157,11 @@ def test_the_compatibility_module_is_where_private_torch_names_are_found() -> No
     uses = private_torch_uses(PACKAGE / COMPATIBILITY_MODULE, torch_private_attributes() - own_names())
     for expected in ("_buffers", "_version", "_cdata", "torch._subclasses.fake_tensor", "tensor_memo"):
         assert any(use.endswith((f": {expected}", f": '{expected}'")) for use in uses), expected
+
+
+def test_the_compiled_hot_path_names_no_private_torch_name() -> None:
+    # modattrs/_speedups.c reads nn.Module's buffer table by the name the compatibility module passes to bind().
+    source = (PACKAGE / "_speedups.c").read_text()
+    literals = set(re.findall(r'"(_\w+)"', source))
+    assert "_plain_ref" in literals  # what it reads of its own is found
+    assert not literals & (torch_private_attributes() - own_names())

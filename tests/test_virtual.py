@@ -15,6 +15,9 @@ from torch import Tensor, nn
 import modattrs
 from modattrs import VirtualTensor
 
+# Every test here runs with the compiled reader of .value and with the Python one.
+pytestmark = pytest.mark.usefixtures("value_reader")
+
 
 class Positions(nn.Module):
     """A module whose ``pos`` is derived from ``scale`` through a method materializer."""

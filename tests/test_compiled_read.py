@@ -1,0 +1,217 @@
+"""The compiled hot path of ``VirtualTensor.value`` (``modattrs/_speedups.c``) reads what the Python one reads.
+
+``tests/test_virtual.py`` runs whole with each reader (the ``value_reader`` fixture); here a stateful property test
+puts attributes of every kind through the states a reference can be in, reading each with both after every step,
+and the compiled reader is shown to take its hot path and to survive a materializer that changes the attribute.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+import modattrs
+import modattrs.virtual
+from modattrs import VirtualTensor
+
+speedups = modattrs.virtual._speedups
+needs_speedups = pytest.mark.skipif(speedups is None, reason="modattrs._speedups is not built in this install")
+Read = Callable[[VirtualTensor], Tensor]
+has_owner = precondition(lambda machine: machine.host is not None)
+
+
+def test_the_compiled_reader_is_built_and_reads_value() -> None:
+    assert speedups is not None, (
+        "modattrs._speedups was not built: pip builds it from modattrs/_speedups.c when a C compiler and Python's "
+        "headers are there at install time; reinstall (pip install -e .) with them to test it"
+    )
+    assert modattrs.virtual._read is speedups.read
+
+
+RESULTS: dict[str, Callable[[torch.dtype, torch.device], object]] = {
+    "as asked": lambda dtype, device: torch.arange(3, dtype=dtype, device=device),
+    "int64": lambda dtype, device: torch.arange(3, device=device),
+    "on the cpu": lambda dtype, device: torch.arange(3, dtype=dtype),
+    "on meta": lambda dtype, device: torch.empty(3, dtype=dtype, device="meta"),
+    "a parameter": lambda dtype, device: nn.Parameter(torch.ones(3, dtype=dtype, device=device)),
+    "a list": lambda dtype, device: [1, 2, 3],
+    "an error": lambda dtype, device: [][0],
+}
+KINDS = {
+    "method": {},
+    "fixed dtype": {"dtype": torch.float16},
+    "dtype_from": {"dtype_from": "weight"},
+    "cached": {"cache": True},
+}
+
+
+class Host(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2))
+        self.result = "as asked"
+        for name, options in KINDS.items():
+            VirtualTensor(self, name.replace(" ", "_"), "materialize", **options)  # type: ignore[arg-type]
+
+    def materialize(self, dtype: torch.dtype, device: torch.device) -> object:
+        return RESULTS[self.result](dtype, device)
+
+
+def outcome(read: Read, attribute: VirtualTensor) -> tuple[object, ...]:
+    """What a read gives, comparable across readers: the value's kind, dtype, device and data, or the error."""
+    try:
+        value = read(attribute)
+    except Exception as error:
+        return type(error), str(error)
+    data = None if value.is_meta else value.tolist()
+    return type(value), value.dtype, value.device, tuple(value.shape), data
+
+
+@settings(max_examples=60, stateful_step_count=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+class BothReaders(RuleBasedStateMachine):
+    """After every step, each attribute read by the compiled reader, the Python one, then the compiled one again
+    gives one outcome."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host = Host()
+        self.attributes = [getattr(self.host, name.replace(" ", "_")) for name in KINDS]
+
+    @has_owner
+    @rule(result=st.sampled_from(sorted(RESULTS)))
+    def materialize(self, result: str) -> None:
+        self.host.result = result
+
+    @has_owner
+    @rule(dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
+    def convert(self, dtype: torch.dtype) -> None:
+        self.host.to(dtype)
+
+    @has_owner
+    @rule(device=st.sampled_from(["meta", "cpu"]))
+    def move(self, device: str) -> None:
+        if device == "meta":
+            self.host.to("meta")
+        else:
+            self.host.to_empty(device="cpu")
+
+    @has_owner
+    @rule(name=st.sampled_from(sorted(KINDS)), dtype=st.sampled_from([torch.float64, torch.float16]))
+    def set_reference_data(self, name: str, dtype: torch.dtype) -> None:
+        # What FSDP2 does to move buffers: the same tensor object, another dtype (or device) inside.
+        ref = self.host._buffers[f"_{name.replace(' ', '_')}_ref"]
+        assert ref is not None
+        ref.data = torch.empty(0, dtype=dtype, device=ref.device)
+
+    @has_owner
+    @rule(name=st.sampled_from(sorted(KINDS)))
+    def take_the_reference(self, name: str) -> None:
+        # Somebody else's tensor under the reference's name: both readers must refuse it.
+        self.host._buffers[f"_{name.replace(' ', '_')}_ref"] = torch.ones(2)
+
+    @has_owner
+    @rule()
+    def read_in_a_cached_block(self) -> None:
+        with modattrs.cached():
+            self.check()
+
+    @has_owner
+    @rule()
+    def drop_the_owner(self) -> None:
+        self.host = None  # type: ignore[assignment]
+        gc.collect()
+
+    @precondition(lambda machine: machine.host is None)
+    @rule()
+    def rebuild(self) -> None:
+        # The attributes of the dropped owner stay in the list: both readers must say that their owner is gone.
+        self.host = Host()
+        self.attributes += [getattr(self.host, name.replace(" ", "_")) for name in KINDS]
+
+    @invariant()
+    def check(self) -> None:
+        for attribute in self.attributes:
+            first = outcome(speedups.read, attribute)
+            assert outcome(VirtualTensor._read, attribute) == first
+            assert outcome(speedups.read, attribute) == first
+
+
+@needs_speedups
+def test_compiled_and_python_readers_agree_in_every_state() -> None:
+    BothReaders.TestCase().runTest()
+
+
+@needs_speedups
+def test_a_plain_cpu_read_takes_the_compiled_hot_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = Host()
+    attribute = module.method
+    expected = attribute.value  # the first read checks the reference, in Python
+    python_reads = []
+    monkeypatch.setattr(VirtualTensor, "_read", lambda self: python_reads.append(self) or expected)
+    for _ in range(3):
+        torch.testing.assert_close(attribute.value, torch.arange(3.0))
+    assert python_reads == []
+    module.double()  # a new reference: checked in Python again
+    attribute.value
+    assert python_reads == [attribute]
+
+
+@needs_speedups
+def test_a_materializer_that_deletes_its_attribute_while_running_gets_its_value_returned() -> None:
+    class SelfDeleting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.delete = False
+            # A lambda held by nothing but the attribute: deleting the attribute while it runs must not free it.
+            VirtualTensor(self, "once", lambda module, dtype, device: module.make(dtype, device))
+
+        def make(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+            if self.delete:
+                del self.once
+                gc.collect()
+            return torch.ones(2, dtype=dtype, device=device)
+
+    module = SelfDeleting()
+    attribute = module.once
+    attribute.value  # the first read checks the reference, in Python
+    module.delete = True
+    torch.testing.assert_close(attribute.value, torch.ones(2))
+    assert "once" not in vars(module)
+    del attribute  # the last reference: what it registered goes with it
+    gc.collect()
+    assert "_once_ref" not in module._buffers
+
+
+@needs_speedups
+def test_a_torch_function_mode_sees_the_same_calls_from_both_readers() -> None:
+    class Log(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[str] = []
+
+        def __torch_function__(
+            self, func: Callable[..., object], types: object, args: tuple[object, ...] = (), kwargs: object = None
+        ) -> object:
+            self.calls.append(repr(func))
+            return func(*args, **(kwargs or {}))  # type: ignore[arg-type]
+
+    module = Host()
+    attribute = module.method
+    attribute.value  # the first read checks the reference, in Python
+    calls = []
+    for read in (speedups.read, VirtualTensor._read):
+        with Log() as log:
+            torch.testing.assert_close(read(attribute), torch.arange(3.0))
+        calls.append(log.calls)
+    assert calls[0] == calls[1]
+    # Attribute getters (the reference's and the result's dtype and device among them), the materializer's arange.
+    assert sum("getset_descriptor" in call for call in calls[0]) >= 4
+    assert any("arange" in call for call in calls[0])
