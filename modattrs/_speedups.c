@@ -17,34 +17,32 @@
 #include <Python.h>
 #include <structmember.h>
 
-/* Interned names, and what read() needs of torch and modattrs, set once by the module's init. */
-static PyObject *str_dtype, *str_is_cpu, *str_open_scopes, *str_read, *str_converted;
-static PyObject *tensor_type;   /* torch.Tensor */
-static PyObject *cpu;           /* torch.device("cpu") */
-static PyObject *cache_globals; /* modattrs._cache's namespace, for open_scopes: the modattrs.cached() blocks open */
-/* torch.Tensor's dtype and is_cpu getters, called directly on tensors of that exact type: what Python's attribute
- * lookup finds for them, without the lookup. NULL if a torch defines them otherwise: then looked up. */
-static getter get_dtype, get_is_cpu;
-static void *dtype_closure, *is_cpu_closure;
+/* Interned names, and what read() needs of torch, set once by the module's init. */
+static PyObject *str_dtype, *str_is_cpu, *str_device, *str_open_scopes, *str_converted;
+static PyObject *tensor_type; /* torch.Tensor */
+static PyObject *cpu;         /* torch.device("cpu") */
+/* torch.Tensor's dtype, is_cpu and device getters, called directly on tensors of that exact type: what Python's
+ * attribute lookup finds for them, without the lookup. NULL if a torch defines them otherwise: then looked up. */
+static getter get_dtype, get_is_cpu, get_device;
+static void *dtype_closure, *is_cpu_closure, *device_closure;
 
-/* Set by bind(): nn.Module's name for its buffer dictionary, the VirtualTensor class, the offsets of its slots. */
-static PyObject *buffer_table;
-
+/* Set by bind(): the VirtualTensor class and the offsets of its slots; nn.Module's name for its buffer dictionary;
+ * VirtualTensor._read, modattrs._cache.read and _cache's namespace (for open_scopes, the cached() blocks open). */
 static PyTypeObject *attribute_type;
 static Py_ssize_t owner_ref_at, ref_name_at, plain_ref_at, fixed_dtype_at, function_at;
+static PyObject *buffer_table, *python_read, *cache_read, *cache_globals;
 
 /* The slot at `offset` of `obj`: a borrowed reference, NULL if it is not set. */
 static inline PyObject *slot(PyObject *obj, Py_ssize_t offset) { return *(PyObject **)((char *)obj + offset); }
 
-/* tensor.dtype, for a tensor whose type is exactly torch.Tensor. */
-static inline PyObject *dtype_of(PyObject *tensor) {
-    return get_dtype != NULL ? get_dtype(tensor, dtype_closure) : PyObject_GetAttr(tensor, str_dtype);
+/* tensor.<name> through its getter if it has one, for a tensor whose type is exactly torch.Tensor. */
+static inline PyObject *tensor_attribute(PyObject *tensor, getter get, void *closure, PyObject *name) {
+    return get != NULL ? get(tensor, closure) : PyObject_GetAttr(tensor, name);
 }
 
 /* 1 if tensor.is_cpu, 0 if not, -1 on error, for a tensor whose type is exactly torch.Tensor. */
 static int on_cpu(PyObject *tensor) {
-    PyObject *answer =
-        get_is_cpu != NULL ? get_is_cpu(tensor, is_cpu_closure) : PyObject_GetAttr(tensor, str_is_cpu);
+    PyObject *answer = tensor_attribute(tensor, get_is_cpu, is_cpu_closure, str_is_cpu);
     if (answer == NULL) {
         return -1;
     }
@@ -53,63 +51,121 @@ static int on_cpu(PyObject *tensor) {
     return is_cpu;
 }
 
-/* The value on the fast path; NULL with an exception set; or NULL without one: not on the fast path. Every object
- * is held by a reference of its own while it is used: Python code can run in between (a torch function mode asked
- * for a dtype, the materializer), and may change the attribute or the buffers. */
-static PyObject *fast_value(PyObject *attribute) {
+/* 1 if `result` is a torch.Tensor of `dtype` on `device` (the CPU when `device` is cpu), 0 if not, -1 on error. */
+static int as_asked(PyObject *result, PyObject *dtype, PyObject *device) {
+    if ((PyObject *)Py_TYPE(result) != tensor_type) {
+        return 0;
+    }
+    PyObject *result_dtype = tensor_attribute(result, get_dtype, dtype_closure, str_dtype);
+    if (result_dtype == NULL) {
+        return -1;
+    }
+    int same_dtype = result_dtype == dtype; /* dtypes are singletons */
+    Py_DECREF(result_dtype);
+    if (!same_dtype) {
+        return 0;
+    }
+    if (device == cpu) {
+        return on_cpu(result);
+    }
+    PyObject *result_device = tensor_attribute(result, get_device, device_closure, str_device);
+    if (result_device == NULL) {
+        return -1;
+    }
+    int same = PyObject_RichCompareBool(result_device, device, Py_EQ);
+    Py_DECREF(result_device);
+    return same;
+}
+
+/* The materializer's value for a plain reference `ref` of dtype `dtype`: VirtualTensor._read's hot path. */
+static PyObject *plain_value(PyObject *attribute, PyObject *function, PyObject *owner, PyObject *ref,
+                             PyObject *dtype) {
+    int ref_on_cpu = on_cpu(ref);
+    if (ref_on_cpu < 0) {
+        return NULL;
+    }
+    PyObject *device = ref_on_cpu ? Py_NewRef(cpu) : tensor_attribute(ref, get_device, device_closure, str_device);
+    if (device == NULL) {
+        return NULL;
+    }
+    PyObject *value = NULL, *args[3] = {owner, dtype, device};
+    PyObject *result = PyObject_Vectorcall(function, args, 3, NULL);
+    if (result != NULL) {
+        int fine = as_asked(result, dtype, device);
+        if (fine > 0) {
+            value = Py_NewRef(result);
+        } else if (fine == 0) {
+            value = PyObject_CallMethodObjArgs(attribute, str_converted, result, dtype, device, NULL);
+        }
+    }
+    Py_XDECREF(result);
+    Py_DECREF(device);
+    return value;
+}
+
+/* VirtualTensor._read(attribute), step by step. Every object is held by a reference of its own while it is used:
+ * Python code can run in between (a torch function mode asked for a dtype, the materializer) and change the
+ * attribute or the buffers. */
+static PyObject *read_bound(PyObject *attribute) {
     PyObject *owner_ref = slot(attribute, owner_ref_at), *ref_name = slot(attribute, ref_name_at);
     PyObject *plain_ref = slot(attribute, plain_ref_at), *fixed_dtype = slot(attribute, fixed_dtype_at);
     PyObject *function = slot(attribute, function_at);
-    if (owner_ref == NULL || ref_name == NULL || plain_ref == NULL || plain_ref == Py_None || fixed_dtype == NULL ||
-        function == NULL) {
-        return NULL;
+    if (owner_ref == NULL || ref_name == NULL || plain_ref == NULL || fixed_dtype == NULL || function == NULL) {
+        return PyObject_CallOneArg(python_read, attribute); /* an unset slot: Python says which */
     }
     Py_INCREF(owner_ref);
     Py_INCREF(ref_name);
     Py_INCREF(plain_ref);
     Py_INCREF(fixed_dtype);
     Py_INCREF(function);
-    PyObject *owner = NULL, *buffers = NULL, *ref = NULL, *scopes = NULL, *dtype = NULL, *result = NULL;
-    PyObject *result_dtype = NULL, *value = NULL;
+    PyObject *owner = NULL, *buffers = NULL, *ref = NULL, *dtype = NULL, *value = NULL;
     owner = PyObject_CallNoArgs(owner_ref);
-    if (owner == NULL || owner == Py_None) { /* the owner is gone: _read says so */
+    if (owner == NULL) {
+        goto done;
+    }
+    if (owner == Py_None) { /* the owner is gone: Python says so */
+        value = PyObject_CallOneArg(python_read, attribute);
         goto done;
     }
     buffers = PyObject_GetAttr(owner, buffer_table);
-    if (buffers == NULL || !PyDict_CheckExact(buffers)) {
+    if (buffers == NULL) {
+        goto done;
+    }
+    if (!PyDict_CheckExact(buffers)) {
+        value = PyObject_CallOneArg(python_read, attribute);
         goto done;
     }
     ref = Py_XNewRef(PyDict_GetItemWithError(buffers, ref_name));
-    if (ref != plain_ref || (PyObject *)Py_TYPE(ref) != tensor_type) { /* a plain reference is a torch.Tensor */
+    if (ref == NULL && PyErr_Occurred()) {
         goto done;
     }
-    scopes = Py_XNewRef(PyDict_GetItemWithError(cache_globals, str_open_scopes));
-    if (scopes == NULL || PyObject_IsTrue(scopes) != 0) {
-        goto done;
-    }
-    dtype = fixed_dtype != Py_None ? Py_NewRef(fixed_dtype) : dtype_of(ref);
-    if (dtype == NULL || on_cpu(ref) != 1) { /* on another device: _read compares devices */
-        goto done;
-    }
-    PyObject *args[3] = {owner, dtype, cpu};
-    result = PyObject_Vectorcall(function, args, 3, NULL);
-    if (result == NULL) {
-        goto done;
-    }
-    if ((PyObject *)Py_TYPE(result) == tensor_type) {
-        result_dtype = dtype_of(result);
-        if (result_dtype == NULL) {
+    if (ref != NULL && ref == plain_ref) {
+        if ((PyObject *)Py_TYPE(ref) != tensor_type) { /* a plain reference is a torch.Tensor, unless its class was
+                                                          changed since: Python reads it */
+            value = PyObject_CallOneArg(python_read, attribute);
             goto done;
         }
-        if (result_dtype == dtype) {
-            int result_on_cpu = on_cpu(result);
-            if (result_on_cpu != 0) {
-                value = result_on_cpu == 1 ? Py_NewRef(result) : NULL;
-                goto done;
+        PyObject *scopes = PyDict_GetItemWithError(cache_globals, str_open_scopes); /* an int: no code runs */
+        if (scopes == NULL) {
+            goto done;
+        }
+        int scoped = PyObject_IsTrue(scopes);
+        if (scoped < 0) {
+            goto done;
+        }
+        if (!scoped) {
+            dtype = fixed_dtype != Py_None ? Py_NewRef(fixed_dtype)
+                                           : tensor_attribute(ref, get_dtype, dtype_closure, str_dtype);
+            if (dtype != NULL) {
+                value = plain_value(attribute, function, owner, ref, dtype);
             }
+            goto done;
         }
     }
-    value = PyObject_CallMethodObjArgs(attribute, str_converted, result, dtype, cpu, NULL);
+    {
+        PyObject *args[3] = {attribute, owner, ref != NULL ? ref : Py_None};
+        value = PyObject_Vectorcall(cache_read, args, 3, NULL);
+    }
 done:
     Py_DECREF(owner_ref);
     Py_DECREF(ref_name);
@@ -119,21 +175,18 @@ done:
     Py_XDECREF(owner);
     Py_XDECREF(buffers);
     Py_XDECREF(ref);
-    Py_XDECREF(scopes);
     Py_XDECREF(dtype);
-    Py_XDECREF(result);
-    Py_XDECREF(result_dtype);
     return value;
 }
 
 static PyObject *read_value(PyObject *Py_UNUSED(module), PyObject *attribute) {
-    if (attribute_type != NULL && PyObject_TypeCheck(attribute, attribute_type)) {
-        PyObject *value = fast_value(attribute);
-        if (value != NULL || PyErr_Occurred()) {
-            return value;
-        }
+    if (attribute_type == NULL) {
+        return PyErr_Format(PyExc_RuntimeError, "modattrs._speedups.read() before bind()");
     }
-    return PyObject_CallMethodNoArgs(attribute, str_read);
+    if (!PyObject_TypeCheck(attribute, attribute_type)) {
+        return PyErr_Format(PyExc_TypeError, "read() takes a VirtualTensor, got %R", attribute);
+    }
+    return read_bound(attribute);
 }
 
 /* The offset of the slot `name` of `cls`, or -1 with an exception set. */
@@ -154,8 +207,8 @@ static Py_ssize_t slot_offset(PyTypeObject *cls, const char *name) {
 }
 
 static PyObject *bind(PyObject *Py_UNUSED(module), PyObject *args) {
-    PyObject *cls, *table;
-    if (!PyArg_ParseTuple(args, "O!U:bind", &PyType_Type, &cls, &table)) {
+    PyObject *cls, *table, *cache;
+    if (!PyArg_ParseTuple(args, "O!UO!:bind", &PyType_Type, &cls, &table, &PyModule_Type, &cache)) {
         return NULL;
     }
     PyTypeObject *type = (PyTypeObject *)cls;
@@ -165,10 +218,19 @@ static PyObject *bind(PyObject *Py_UNUSED(module), PyObject *args) {
     if (owner_ref < 0 || ref_name < 0 || plain_ref < 0 || fixed_dtype < 0 || function < 0) {
         return NULL;
     }
-    Py_XSETREF(attribute_type, (PyTypeObject *)Py_NewRef(cls));
+    PyObject *read = PyObject_GetAttrString(cls, "_read");
+    PyObject *cached_read = read == NULL ? NULL : PyObject_GetAttrString(cache, "read");
+    if (cached_read == NULL) {
+        Py_XDECREF(read);
+        return NULL;
+    }
     Py_INCREF(table);
     PyUnicode_InternInPlace(&table);
+    Py_XSETREF(attribute_type, (PyTypeObject *)Py_NewRef(cls));
     Py_XSETREF(buffer_table, table);
+    Py_XSETREF(python_read, read);
+    Py_XSETREF(cache_read, cached_read);
+    Py_XSETREF(cache_globals, Py_NewRef(PyModule_GetDict(cache)));
     owner_ref_at = owner_ref, ref_name_at = ref_name, plain_ref_at = plain_ref, fixed_dtype_at = fixed_dtype;
     function_at = function;
     Py_RETURN_NONE;
@@ -176,11 +238,10 @@ static PyObject *bind(PyObject *Py_UNUSED(module), PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"read", read_value, METH_O,
-     "read(attribute, /)\n--\n\nThe value of a VirtualTensor: what its _read() returns, with the plain reference "
-     "on the CPU read without the interpreter."},
+     "read(attribute, /)\n--\n\nThe value of a VirtualTensor: what VirtualTensor._read(attribute) returns."},
     {"bind", bind, METH_VARARGS,
-     "bind(cls, buffer_table, /)\n--\n\nRead instances of the VirtualTensor class cls: find the slots that read() "
-     "reads, and the name of nn.Module's buffer dictionary."},
+     "bind(cls, buffer_table, cache, /)\n--\n\nRead instances of the VirtualTensor class cls: find the slots that "
+     "read() reads, and take nn.Module's name for its buffer dictionary and the module modattrs._cache."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -210,7 +271,8 @@ static int intern(PyObject **name, const char *text) {
 }
 
 PyMODINIT_FUNC PyInit__speedups(void) {
-    if (intern(&str_dtype, "dtype") || intern(&str_is_cpu, "is_cpu") || intern(&str_open_scopes, "open_scopes") || intern(&str_read, "_read") || intern(&str_converted, "_converted")) {
+    if (intern(&str_dtype, "dtype") || intern(&str_is_cpu, "is_cpu") || intern(&str_device, "device") ||
+        intern(&str_open_scopes, "open_scopes") || intern(&str_converted, "_converted")) {
         return NULL;
     }
     PyObject *torch = PyImport_ImportModule("torch");
@@ -221,14 +283,9 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     cpu = tensor_type == NULL ? NULL : PyObject_CallMethod(torch, "device", "s", "cpu");
     Py_DECREF(torch);
     if (cpu == NULL || tensor_getter("dtype", &get_dtype, &dtype_closure) ||
-        tensor_getter("is_cpu", &get_is_cpu, &is_cpu_closure)) {
+        tensor_getter("is_cpu", &get_is_cpu, &is_cpu_closure) ||
+        tensor_getter("device", &get_device, &device_closure)) {
         return NULL;
     }
-    PyObject *cache = PyImport_ImportModule("modattrs._cache");
-    if (cache == NULL) {
-        return NULL;
-    }
-    cache_globals = Py_NewRef(PyModule_GetDict(cache));
-    Py_DECREF(cache);
     return PyModule_Create(&speedups);
 }

@@ -199,12 +199,12 @@ class VirtualTensor(OwnedAttribute):
 
         The materializer is asked for that dtype and device; a result that has another one is converted.
         """
-        if _dynamo_compiling():  # dynamo traces Python: the compiled hot path would be called, not traced
-            return self._read()
+        if _dynamo_compiling():  # dynamo traces Python: the compiled read would be called, not traced
+            return VirtualTensor._read(self)
         return _read(self)
 
     def _read(self) -> Tensor:
-        """The value: what :attr:`value` means. ``modattrs._speedups.read`` takes its hot path in C."""
+        """The value: what :attr:`value` means. ``modattrs._speedups.read`` does the same in C."""
         owner = self._owner_ref()
         if owner is None:
             raise self._owner_gone()
@@ -513,7 +513,13 @@ class VirtualTensor(OwnedAttribute):
 #: What :attr:`VirtualTensor.value` calls outside dynamo: ``VirtualTensor._read``, compiled when it could be built.
 _read: Callable[[VirtualTensor], Tensor] = VirtualTensor._read
 if _speedups is not None:
-    _speedups.bind(VirtualTensor, BUFFER_TABLE)
+    try:
+        _speedups.bind(VirtualTensor, BUFFER_TABLE, _cache)
+    except (TypeError, AttributeError) as error:  # a build of another version, left in a checkout
+        raise ImportError(
+            f"{_speedups.__file__} was built from another version of modattrs/_speedups.c; rebuild it: reinstall "
+            "modattrs (pip install -e . in a checkout)"
+        ) from error
     _read = _speedups.read
 
 

@@ -8,7 +8,9 @@ and the compiled reader is shown to take its hot path and to survive a materiali
 from __future__ import annotations
 
 import gc
+import sys
 from collections.abc import Callable
+from types import FrameType
 
 import pytest
 import torch
@@ -149,19 +151,42 @@ def test_compiled_and_python_readers_agree_in_every_state() -> None:
     BothReaders.TestCase().runTest()
 
 
+def python_calls(read: Callable[[], object]) -> list[str]:
+    """The names of the Python functions that run during ``read()``."""
+    calls: list[str] = []
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        if event == "call":
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        read()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
 @needs_speedups
-def test_a_plain_cpu_read_takes_the_compiled_hot_path(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_plain_read_runs_no_python_of_modattrs_but_the_property(device: str) -> None:
+    module = Host().to(device)
+    module.method.value  # the first read checks the reference
+    calls = python_calls(lambda: module.method.value)
+    assert "materialize" in calls
+    assert not {"_read", "read", "_compute", "_converted"} & set(calls)
+    module.double()  # a new reference: checked again, by the general path
+    assert {"read", "_compute"} <= set(python_calls(lambda: module.method.value))
+    assert "_read" not in python_calls(lambda: module.method.value)
+
+
+@needs_speedups
+def test_a_cached_read_goes_from_the_compiled_reader_to_the_cache() -> None:
     module = Host()
-    attribute = module.method
-    expected = attribute.value  # the first read checks the reference, in Python
-    python_reads = []
-    monkeypatch.setattr(VirtualTensor, "_read", lambda self: python_reads.append(self) or expected)
-    for _ in range(3):
-        torch.testing.assert_close(attribute.value, torch.arange(3.0))
-    assert python_reads == []
-    module.double()  # a new reference: checked in Python again
-    attribute.value
-    assert python_reads == [attribute]
+    module.cached.value
+    calls = python_calls(lambda: module.cached.value)
+    assert "read" in calls  # _cache.read, which serves the kept value
+    assert not {"_read", "materialize"} & set(calls)
 
 
 @needs_speedups
@@ -191,7 +216,8 @@ def test_a_materializer_that_deletes_its_attribute_while_running_gets_its_value_
 
 
 @needs_speedups
-def test_a_torch_function_mode_sees_the_same_calls_from_both_readers() -> None:
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_torch_function_mode_sees_the_same_calls_from_both_readers(device: str) -> None:
     class Log(TorchFunctionMode):
         def __init__(self) -> None:
             super().__init__()
@@ -203,14 +229,15 @@ def test_a_torch_function_mode_sees_the_same_calls_from_both_readers() -> None:
             self.calls.append(repr(func))
             return func(*args, **(kwargs or {}))  # type: ignore[arg-type]
 
-    module = Host()
+    module = Host().to(device)
     attribute = module.method
-    attribute.value  # the first read checks the reference, in Python
-    calls = []
+    attribute.value  # the first read checks the reference
+    outcomes, calls = [], []
     for read in (speedups.read, VirtualTensor._read):
         with Log() as log:
-            torch.testing.assert_close(read(attribute), torch.arange(3.0))
+            outcomes.append(outcome(read, attribute))
         calls.append(log.calls)
+    assert outcomes[0] == outcomes[1]
     assert calls[0] == calls[1]
     # Attribute getters (the reference's and the result's dtype and device among them), the materializer's arange.
     assert sum("getset_descriptor" in call for call in calls[0]) >= 4
