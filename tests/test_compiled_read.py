@@ -8,6 +8,7 @@ and the compiled reader is shown to take its hot path and to survive a materiali
 from __future__ import annotations
 
 import gc
+import subprocess
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -242,3 +243,21 @@ def test_a_torch_function_mode_sees_the_same_calls_from_both_readers(device: str
     # Attribute getters (the reference's and the result's dtype and device among them), the materializer's arange.
     assert sum("getset_descriptor" in call for call in calls[0]) >= 4
     assert any("arange" in call for call in calls[0])
+
+
+def test_a_build_of_another_version_of_the_c_file_fails_the_import_saying_to_rebuild() -> None:
+    # What a checkout holds after modattrs/_speedups.c changed and nobody reinstalled: an extension whose bind()
+    # takes other arguments.
+    code = """if True:
+        import sys, types
+        stale = types.ModuleType("modattrs._speedups")
+        stale.__file__ = "/checkout/modattrs/_speedups.so"
+        stale.bind = lambda cls: None
+        stale.read = lambda attribute: None
+        sys.modules["modattrs._speedups"] = stale
+        import modattrs
+    """
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.returncode == 1
+    assert "ImportError: /checkout/modattrs/_speedups.so was built from another version" in result.stderr
+    assert "pip install -e ." in result.stderr
