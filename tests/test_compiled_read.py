@@ -7,9 +7,11 @@ and the compiled reader is shown to take its hot path and to survive a materiali
 
 from __future__ import annotations
 
+import copy
 import gc
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from types import FrameType
 
@@ -24,10 +26,18 @@ from torch.overrides import TorchFunctionMode
 import modattrs
 import modattrs.virtual
 from modattrs import VirtualTensor
+from modattrs.deferred import deferred_init, is_deferred, materialize_module
+from modattrs.fake import fake_copy, fake_mode, is_fake
 
 speedups = modattrs.virtual._speedups
 needs_speedups = pytest.mark.skipif(speedups is None, reason="modattrs._speedups is not built in this install")
 Read = Callable[[VirtualTensor], Tensor]
+
+
+def attributes_of(host: nn.Module) -> list[VirtualTensor]:
+    return [getattr(host, name.replace(" ", "_")) for name in KINDS]
+
+
 has_owner = precondition(lambda machine: machine.host is not None)
 
 
@@ -74,19 +84,21 @@ def outcome(read: Read, attribute: VirtualTensor) -> tuple[object, ...]:
         value = read(attribute)
     except Exception as error:
         return type(error), str(error)
-    data = None if value.is_meta else value.tolist()
-    return type(value), value.dtype, value.device, tuple(value.shape), data
+    fake = is_fake(value)
+    data = None if value.is_meta or fake else value.tolist()
+    return type(value), fake, value.dtype, value.device, tuple(value.shape), data
 
 
 @settings(max_examples=60, stateful_step_count=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 class BothReaders(RuleBasedStateMachine):
     """After every step, each attribute read by the compiled reader, the Python one, then the compiled one again
-    gives one outcome."""
+    gives one outcome; also inside fake mode, a cached() block and another thread, after loads with assign=True in
+    both swap modes, copies, and on modules built in fake mode or by deferred_init."""
 
     def __init__(self) -> None:
         super().__init__()
         self.host = Host()
-        self.attributes = [getattr(self.host, name.replace(" ", "_")) for name in KINDS]
+        self.attributes = attributes_of(self.host)
 
     @has_owner
     @rule(result=st.sampled_from(sorted(RESULTS)))
@@ -132,12 +144,64 @@ class BothReaders(RuleBasedStateMachine):
         self.host = None  # type: ignore[assignment]
         gc.collect()
 
-    @precondition(lambda machine: machine.host is None)
+    @has_owner
     @rule()
-    def rebuild(self) -> None:
+    def read_in_fake_mode(self) -> None:
+        with fake_mode():
+            self.check()
+
+    @has_owner
+    @rule()
+    def read_in_another_thread(self) -> None:
+        failures: list[BaseException] = []
+
+        def check() -> None:
+            try:
+                self.check()
+            except BaseException as error:
+                failures.append(error)
+
+        thread = threading.Thread(target=check)
+        thread.start()
+        thread.join()
+        assert not failures, failures
+
+    # A taken reference makes state_dict refuse (tests/test_virtual.py): both readers refuse it here.
+    @precondition(lambda machine: machine.host is not None and not any(t.numel() for t in machine.host.buffers()))
+    @rule(swap=st.booleans())
+    def load_assigned(self, swap: bool) -> None:
+        state = {name: tensor.clone() for name, tensor in self.host.state_dict().items()}
+        before = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+        try:
+            self.host.load_state_dict(state, assign=True)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(before)
+
+    @precondition(lambda machine: machine.host is not None and not any(t.numel() for t in machine.host.buffers()))
+    @rule(how=st.sampled_from(["deepcopy", "fake_copy"]))
+    def copy(self, how: str) -> None:
+        # The copy becomes the host; the original's attributes stay in the list, their owner gone.
+        self.host = copy.deepcopy(self.host) if how == "deepcopy" else fake_copy(self.host)
+        self.attributes += attributes_of(self.host)
+
+    @precondition(lambda machine: machine.host is None)
+    @rule(how=st.sampled_from(["eager", "fake_mode", "deferred_init"]))
+    def rebuild(self, how: str) -> None:
         # The attributes of the dropped owner stay in the list: both readers must say that their owner is gone.
-        self.host = Host()
-        self.attributes += [getattr(self.host, name.replace(" ", "_")) for name in KINDS]
+        if how == "eager":
+            self.host = Host()
+        elif how == "fake_mode":
+            with fake_mode():
+                self.host = Host()
+        else:
+            self.host = deferred_init(Host)
+        self.attributes += attributes_of(self.host)
+
+    @precondition(lambda machine: machine.host is not None and is_deferred(machine.host))
+    @rule()
+    def materialize_deferred(self) -> None:
+        materialize_module(self.host)
 
     @invariant()
     def check(self) -> None:
