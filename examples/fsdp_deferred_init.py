@@ -119,8 +119,7 @@ def worker() -> None:
         model_bytes = sum(p.numel() * p.element_size() for p in eager.parameters())
         times = {"materialize": end - sharded, "total": end - start, "eager": eager_seconds}
         print(json.dumps({"ranks": reports, "bytes": model_bytes, **times}))
-    # Both ranks done with gloo before either tears it down, as the test workers do: without it, rank 0 of
-    # fsdp_meta_init.py once aborted at exit in CI ("terminate called without an active exception").
+    # Both ranks done with gloo before either tears it down.
     dist.barrier()
     dist.destroy_process_group()
 
@@ -192,8 +191,21 @@ def main() -> None:
     print(f"every rank's shards equal the eager model's slices, bit for bit, generator included: {everything}")
 
 
+def end_rank() -> None:
+    """Leave the process now that this rank's work is done and its output flushed.
+
+    torch's teardown of a gloo process group at interpreter exit now and then aborts a rank that finished cleanly
+    ("terminate called without an active exception", exit -6; plain torch, 2.8 to 2.15): ``os._exit`` skips it.
+    Only a rank that got here leaves this way; an exception before this line still ends the process with an error.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     if "RANK" in os.environ:
         worker()
+        end_rank()
     else:
         main()

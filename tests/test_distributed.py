@@ -215,3 +215,10 @@ def test_resizing_load_planner_loads_shaped_data_with_other_free_sizes_also_nest
     fresh.load_state_dict(state["model"])
     assert torch.equal(fresh.cache.value, torch.arange(32.0).reshape(8, 4))  # type: ignore[arg-type]
     assert int(state["step"]) == 3
+
+
+def test_a_rank_that_raises_before_its_last_line_fails_the_run_with_its_traceback(tmp_path: Path) -> None:
+    # The workers leave with os._exit(0) once done (torch's gloo teardown aborts now and then): that must not hide
+    # a rank that failed.
+    with pytest.raises(AssertionError, match=r"(?s)rank 1 exited with 1:.*this rank failed before its last line"):
+        run_ranks("raises-on-the-last-rank", tmp_path)
