@@ -160,11 +160,24 @@ def _build_and_measure(
         model = factory(**keywords)
         if not isinstance(model, nn.Module):
             raise UsageError(f"{target} returned {type(model).__name__}, not an nn.Module")
-        model.to(dtype)
+        _cast_floating_point(model, dtype)
         seconds = time.perf_counter() - start
         report = Report(target, str(device), str(dtype).removeprefix("torch."), seconds, _peak_mib() - before)
         _measure(model, report)
     return report
+
+
+def _cast_floating_point(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating-point parameters and buffers to ``dtype``, as ``model.half()`` and ``model.bfloat16()``
+    do: complex tensors (a RoPE table of complex64) keep their dtype, whose imaginary part ``model.to(dtype)``
+    would discard. Parameters stay the same objects (their data is replaced, as ``Module.to`` does), so ties hold."""
+    for module in model.modules():
+        for parameter in module.parameters(recurse=False):
+            if parameter.is_floating_point():
+                parameter.data = parameter.data.to(dtype)
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_floating_point():
+                setattr(module, name, buffer.to(dtype))
 
 
 def _load(target: str) -> Any:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from modattrs._cli import main
 
@@ -204,3 +205,27 @@ def test_gpu_chooses_what_torch_cuda_tells_the_model_and_h100_is_the_default(
     chosen = [] if gpu is None else ["--gpu", gpu]
     report = inspect_json("cli_targets:sized_by_the_gpu", "--device", "cuda", *chosen, capsys=capsys)
     assert report["total_parameters"] == sms * capability
+
+
+def rotary_with_complex_table() -> nn.Module:
+    """A layer and a RoPE table of complex64 values, as torchtitan's ``freqs_cis`` buffer."""
+    model = nn.Linear(8, 8)
+    angles = torch.outer(torch.arange(16.0), torch.linspace(0.0, 1.0, 4))
+    model.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+    return model
+
+
+def test_dtype_casts_floating_point_tensors_and_leaves_complex_ones_complex() -> None:
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-W", "always", "-m", "modattrs", "inspect", "test_cli:rotary_with_complex_table"]
+    arguments = ["--dtype", "bfloat16", "--format", "json"]  # in a fresh process: torch warns once per process
+    result = subprocess.run([*command, *arguments], capture_output=True, text=True, env=environment, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "imaginary" not in result.stderr
+    real = rotary_with_complex_table()
+    weights = sum(p.numel() for p in real.parameters())
+    table = real.get_buffer("freqs_cis")
+    assert json.loads(result.stdout)["by_dtype"] == {
+        "bfloat16": {"parameters": weights, "bytes": weights * torch.bfloat16.itemsize},
+        str(table.dtype).removeprefix("torch."): {"parameters": 0, "bytes": table.numel() * table.element_size()},
+    }
