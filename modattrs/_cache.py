@@ -1,10 +1,10 @@
 """Caches of :class:`~modattrs.VirtualTensor` values: each attribute's lasting cache, and ``modattrs.cached()``.
 
-A cached value is reused while the *state* it was computed in holds: the same reference buffer, object and
-TensorImpl (every conversion of a module replaces its buffers, and ``torch.utils.swap_tensors``, which
-``load_state_dict`` uses in swap mode, replaces the TensorImpl inside the object, so this covers dtype and device
-changes by any route), the same dtype, the same grad and inference modes, the same fake mode, and unchanged
-declared dependencies. The state is compared field by field.
+A cached value is reused while the *state* it was computed in holds: the same reference buffer object, of the
+same class, dtype and device (all that a zero-element tensor says: every conversion of a module replaces its
+buffers, ``ref.data = ...`` and ``torch.utils.swap_tensors`` change them inside the object, so this covers dtype,
+device and fake-ness changes by any route), the same dtype, the same grad and inference modes, the same fake mode,
+and unchanged declared dependencies. The state is compared field by field.
 
 A value computed inside a fake mode is kept apart from the value computed outside every fake mode: reading in a
 fake mode never replaces, and is never served, the real value. Only fake modules keep values read in a fake mode
@@ -112,13 +112,14 @@ def read(attribute: Cached, owner: nn.Module, ref: Tensor | None) -> Tensor:
     cache = attribute._cache
     if cache is not None and not open_scopes:
         # cache.entry only ever holds a value read outside every fake mode, of a reference that is not fake.
-        # Conversions replace the reference and a load that swaps its contents in place clears the cache, but
-        # `ref.data = ...` (FSDP2's fully_shard moves buffers so) keeps the object: its dtype and device are
-        # compared too. A fixed dtype changes only through the attribute, which then clears the cache.
+        # Conversions replace the reference, but `ref.data = ...` (FSDP2's fully_shard moves buffers so) and
+        # torch.utils.swap_tensors keep the object: its class (swapping in a fake tensor makes it fake), dtype and
+        # device are compared too. A fixed dtype changes only through the attribute, which then clears the cache.
         entry = cache.entry
         if (
             entry is not None
             and entry.ref is ref
+            and type(ref) is entry.ref_type
             and entry.hot
             and not _compiling()
             and not _dispatch_modes()
@@ -193,10 +194,12 @@ def _compute_in(mode: FakeTensorMode | None, attribute: Cached, owner: nn.Module
 class Entry:
     """A value and what it was computed from.
 
-    The reference buffer object, with its dtype and device (``ref.data = ...`` changes them and keeps the object),
-    stands for the device, and for the dtype of attributes that follow the module; it is held strongly: it has no
-    elements, and holding it keeps its id from being reused. The value's dtype is kept too, for fixed dtypes and
-    ``dtype_from``. See :func:`snapshot_of` for dependencies.
+    The reference buffer object, with its class, dtype and device (``ref.data = ...`` and ``swap_tensors`` change
+    them and keep the object), stands for the device, and for the dtype of attributes that follow the module; it is
+    held strongly: it has no elements, and holding it keeps its id from being reused. Its TensorImpl is not
+    compared: a zero-element tensor says nothing else, and the address of a TensorImpl swapped out and freed may be
+    given to the next one. The value's dtype is kept too, for fixed dtypes and ``dtype_from``. See
+    :func:`snapshot_of` for dependencies.
     """
 
     __slots__ = (
@@ -205,12 +208,12 @@ class Entry:
         "dtype",
         "grad",
         "hot",
-        "impl",
         "inference",
         "mode",
         "plain",
         "ref",
         "ref_dtype",
+        "ref_type",
         "value",
     )
 
@@ -224,7 +227,7 @@ class Entry:
         ref_implies_dtype: bool,
     ) -> None:
         self.ref = ref
-        self.impl = address_of(ref)  # swap_tensors keeps the object and replaces this
+        self.ref_type = type(ref)  # swap_tensors with a fake tensor makes a real reference fake
         self.ref_dtype = ref.dtype
         self.device = ref.device
         self.dtype = dtype  # for dtype_from, whose dtype changes without the reference
@@ -242,7 +245,7 @@ class Entry:
     def unchanged(self, owner: nn.Module) -> bool:
         """Whether the dependencies are as they were."""
         current: Any
-        for table, name, saved, address, version, requires_grad in self.dependencies:
+        for table, name, saved, address, version, requires_grad, storage in self.dependencies:
             # (_table, inlined: this runs on every cache hit.)
             if table == _BUFFERS:
                 current = buffers_of(owner).get(name, _MISSING)
@@ -261,13 +264,18 @@ class Entry:
                 or (version >= 0 and version_of(current) != version)
             ):
                 return False
+            try:
+                if storage is not None and current.untyped_storage() is not storage:
+                    return False
+            except (NotImplementedError, RuntimeError):  # swapped with a tensor that has no storage (sparse)
+                return False
         return True
 
     def current(self, owner: nn.Module, ref: Tensor, dtype: torch.dtype, mode: object) -> bool:
         """Whether the value still holds for a read of ``ref`` as ``dtype`` in fake mode ``mode`` (or none)."""
-        if self.ref is not ref or self.impl != address_of(ref) or self.dtype is not dtype or self.mode is not mode:
+        if self.ref is not ref or type(ref) is not self.ref_type or self.dtype is not dtype or self.mode is not mode:
             return False
-        if ref.device != self.device:  # ref.data = ... on another device
+        if ref.device != self.device:  # ref.data = ... or swap_tensors, on another device
             return False
         if not self.plain and (
             self.grad is not torch.is_grad_enabled() or self.inference is not torch.is_inference_mode_enabled()
@@ -317,9 +325,9 @@ class Cache:
         self.entry = self.fake_entry = None
 
 
-#: (which dictionary of the owner, name, value, TensorImpl address, version, requires_grad); the last three are
-#: None for a dependency that is not a tensor.
-Dependency = tuple[int, str, Any, Any, Any, Any]
+#: (which dictionary of the owner, name, value, TensorImpl address, version, requires_grad, storage); the last four
+#: are None for a dependency that is not a tensor, the storage for a tensor that has none (a sparse one).
+Dependency = tuple[int, str, Any, Any, Any, Any, Any]
 
 _PARAMETERS, _BUFFERS, _MODULES, _ATTRIBUTES = range(4)
 
@@ -335,10 +343,15 @@ def _table(owner: nn.Module, table: int) -> dict[str, Any]:
 
 def snapshot_of(owner: nn.Module, names: tuple[str, ...], attribute: str) -> list[Dependency]:
     """The dependencies' current state: which of the owner's dictionaries holds each (read directly: ``getattr``
-    on a module is slow), and its value. A tensor is held with its TensorImpl's address, version counter and
-    ``requires_grad``: ``torch.utils.swap_tensors`` keeps the Python object and changes the TensorImpl. It is held
-    strongly, as any weak reference, Python's or the TensorImpl's, makes ``swap_tensors`` refuse it, and an id
-    alone could be reused; so a replaced dependency stays alive until the next read or ``invalidate()``."""
+    on a module is slow), and its value. A tensor is held with its TensorImpl's address, version counter,
+    ``requires_grad`` and storage: ``torch.utils.swap_tensors`` keeps the Python object and changes the TensorImpl,
+    and ``tensor.data = ...`` keeps both and changes the storage without a version bump (which an inference tensor
+    does not even have). It is held strongly, as any weak reference, Python's or the TensorImpl's, makes
+    ``swap_tensors`` refuse it, and an id alone could be reused; so a replaced dependency stays alive until the next
+    read or ``invalidate()``. The TensorImpl cannot be held (``swap_tensors`` refuses a tensor whose TensorImpl has
+    another owner), so one swapped out and freed may give its address to the next one: the storage, held, is what
+    tells them apart. Data that shares the held storage (``tensor.data = tensor.data.t()``) and bumps no version
+    is not seen."""
     snapshot: list[Dependency] = []
     for name in names:
         table = next((i for i in (_PARAMETERS, _BUFFERS, _MODULES) if name in _table(owner, i)), _ATTRIBUTES)
@@ -351,15 +364,24 @@ def snapshot_of(owner: nn.Module, names: tuple[str, ...], attribute: str) -> lis
             )
         if isinstance(current, Tensor):
             # Inference tensors have no version counter (and can be modified in place only in inference mode):
-            # for them, identity and requires_grad only.
+            # for them, all but the version.
             version = -1 if current.is_inference() else version_of(current)
-            snapshot.append((table, name, current, address_of(current), version, current.requires_grad))
+            address, requires_grad = address_of(current), current.requires_grad
+            snapshot.append((table, name, current, address, version, requires_grad, _storage_of(current)))
         else:
-            snapshot.append((table, name, current, None, None, None))
+            snapshot.append((table, name, current, None, None, None, None))
     return snapshot
 
 
 _MISSING = object()
+
+
+def _storage_of(tensor: Tensor) -> torch.UntypedStorage | None:
+    """``tensor``'s storage, the same object at each call while it lives; None for a tensor without one."""
+    try:
+        return tensor.untyped_storage()
+    except (NotImplementedError, RuntimeError):  # sparse and other layouts without a storage
+        return None
 
 
 def _equal(a: object, b: object) -> bool:

@@ -89,7 +89,14 @@ static PyObject *plain_value(PyObject *attribute, PyObject *function, PyObject *
         return NULL;
     }
     PyObject *value = NULL, *args[3] = {owner, dtype, device};
+    /* Counted once more than read() itself: here the materializer runs in an interpreter loop of its own on the C
+     * stack, where the Python read's call to it stays in its caller's. */
+    if (Py_EnterRecursiveCall(" while calling a VirtualTensor's materializer")) {
+        Py_DECREF(device);
+        return NULL;
+    }
     PyObject *result = PyObject_Vectorcall(function, args, 3, NULL);
+    Py_LeaveRecursiveCall();
     if (result != NULL) {
         int fine = as_asked(result, dtype, device);
         if (fine > 0) {
@@ -186,7 +193,15 @@ static PyObject *read_value(PyObject *Py_UNUSED(module), PyObject *attribute) {
     if (!PyObject_TypeCheck(attribute, attribute_type)) {
         return PyErr_Format(PyExc_TypeError, "read() takes a VirtualTensor, got %R", attribute);
     }
-    return read_bound(attribute);
+    /* Counted against the recursion limit as CPython counts its own calls: a materializer that reads its own value
+     * then raises RecursionError, as the Python read does, instead of overflowing the C stack when
+     * sys.setrecursionlimit() is high. */
+    if (Py_EnterRecursiveCall(" while reading a VirtualTensor's value")) {
+        return NULL;
+    }
+    PyObject *value = read_bound(attribute);
+    Py_LeaveRecursiveCall();
+    return value;
 }
 
 /* The offset of the slot `name` of `cls`, or -1 with an exception set. */

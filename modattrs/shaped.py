@@ -328,9 +328,9 @@ class ShapedTensor(OwnedAttribute):
             else:
                 reshaped = current.shape != value.shape
                 current.data = value  # first: it raises for data a parameter cannot hold, with nothing changed
-                if not current.is_inference():  # (inference tensors have no version counter)
-                    # `.data =` keeps the version counter, which is how cached VirtualTensors depending on the
-                    # parameter see it change.
+                if not current.is_inference():  # (inference data has no version counter: nothing to bump)
+                    # `.data =` keeps the version counter. Cached VirtualTensors depending on the parameter see new
+                    # memory by themselves; the bump is how they see data that shares the old (a view of it).
                     increment_version(current)
                 if reshaped:
                     current.grad = None  # a gradient of the old shape would break the next backward or step

@@ -209,8 +209,9 @@ class VirtualTensor(OwnedAttribute):
         if owner is None:
             raise self._owner_gone()
         ref = buffers_of(owner).get(self._ref_name)
-        if ref is not None and ref is self._plain_ref and not _cache.open_scopes:
-            # The hot path: nothing kept, nothing to decide (see _compute, which sets _plain_ref).
+        if ref is not None and ref is self._plain_ref and type(ref) is Tensor and not _cache.open_scopes:
+            # The hot path: nothing kept, nothing to decide (see _compute, which sets _plain_ref). The class is
+            # checked again: torch.utils.swap_tensors with a fake tensor makes the same object fake.
             dtype = self._dtype or ref.dtype  # dtypes are truthy: this reads "the fixed dtype, if any"
             if ref.is_cpu:  # the same test without making two device objects and comparing them
                 result = self._function(owner, dtype, _CPU)

@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import modattrs
 from modattrs import ShapedTensor, VirtualTensor
+from modattrs._torch_private import address_of
 from modattrs.deferred import deferred_init, materialize_module
 from modattrs.fake import fake_mode
 
@@ -238,7 +239,14 @@ SHAPED_CHANGES: dict[str, Callable[[Summed], None]] = {
     "reconstrain": lambda m: m.history.reconstrain(0, 2),
     "assigned, same shape": lambda m: setattr(m.history, "value", torch.ones(3, 2)),
     "assigned, new shape": lambda m: setattr(m.history, "value", torch.ones(5, 2)),
+    # Made in inference mode: no version counter to bump, for a parameter that takes it through `.data =`.
+    "assigned an inference tensor": lambda m: setattr(m.history, "value", _inference(torch.ones, 3, 2)),
 }
+
+
+def _inference(make: Callable[..., Tensor], *args: object) -> Tensor:
+    with torch.inference_mode():
+        return make(*args)
 
 
 @pytest.mark.parametrize("scoped", [False, True], ids=["lasting cache", "cached() block"])
@@ -595,3 +603,64 @@ def test_a_cached_value_follows_a_reference_whose_data_is_replaced_in_place(in_s
         value = m.table.value
     assert value.dtype == torch.float64
     assert torch.equal(value, torch.full((3,), 2.0, dtype=torch.float64))
+
+
+# --- changes that bump no version counter: torch.utils.swap_tensors and `.data =` ---------------------------------
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cached", "uncached"])
+def test_a_reference_made_fake_by_swap_tensors_gives_a_fake_value_in_its_mode(cache: bool, value_reader: str) -> None:
+    m = Counted(cache=cache, depends_on=())
+    assert type(m.table.value) is torch.Tensor
+    with fake_mode():
+        fake = torch.empty(0)
+    torch.utils.swap_tensors(m._table_ref, fake)  # type: ignore[no-untyped-call]
+    value = m.table.value
+    assert isinstance(value, FakeTensor)
+    assert value.fake_mode is m._table_ref.fake_mode
+
+
+@pytest.mark.parametrize(
+    "replacement",
+    [
+        pytest.param(lambda: torch.empty(0, dtype=torch.float64), id="dtype"),
+        pytest.param(lambda: torch.empty(0, device="meta"), id="device"),
+    ],
+)
+def test_a_reference_given_another_dtype_or_device_by_swap_tensors_recomputes_the_cached_value(
+    replacement: Callable[[], Tensor], value_reader: str
+) -> None:
+    m = Counted(depends_on=())
+    first = m.table.value
+    torch.utils.swap_tensors(m._table_ref, replacement())  # type: ignore[no-untyped-call]
+    value = m.table.value
+    assert value is not first
+    assert (value.dtype, value.device) == (m._table_ref.dtype, m._table_ref.device)
+
+
+def test_a_dependency_swapped_by_swap_tensors_is_seen_when_its_new_tensorimpl_reuses_the_old_address() -> None:
+    m = Counted(depends_on=("offsets",))
+    torch.utils.swap_tensors(m.offsets, torch.zeros(3))  # type: ignore[no-untyped-call]
+    assert torch.equal(m.table.value, torch.full((3,), 2.0))  # kept with the TensorImpl now in m.offsets
+    kept = address_of(m.offsets)
+    for step in range(1, 1000):
+        # The tensor swapped out holds the previous TensorImpl, freed at once: the allocator may give its address
+        # to the next one.
+        torch.utils.swap_tensors(m.offsets, torch.full((3,), float(step)))  # type: ignore[no-untyped-call]
+        if address_of(m.offsets) == kept:
+            assert torch.equal(m.table.value, torch.full((3,), 2.0 + step))
+            return
+    pytest.skip("the allocator gave no new TensorImpl the address of the one the cache saw")
+
+
+@pytest.mark.parametrize("scoped", [False, True], ids=["lasting cache", "cached() block"])
+@pytest.mark.parametrize("inference", [False, True], ids=["tensor", "inference tensor"])
+def test_data_assigned_to_a_dependency_is_seen(inference: bool, scoped: bool) -> None:
+    m = Counted(depends_on=("weight",))
+    make = (lambda *args: _inference(torch.full, *args)) if inference else torch.full
+    with modattrs.cached() if scoped else contextlib.nullcontext():
+        assert torch.equal(m.table.value, torch.full((3,), 2.0))
+        m.weight.data = make((3,), 5.0)
+        assert torch.equal(m.table.value, torch.full((3,), 10.0))
+        m.weight.data = make((3,), 7.0)  # an inference tensor's data again: nor has the weight a version now
+        assert torch.equal(m.table.value, torch.full((3,), 14.0))

@@ -335,3 +335,34 @@ def test_a_build_of_another_version_of_the_c_file_fails_the_import_saying_to_reb
     assert result.returncode == 1
     assert "ImportError: /checkout/modattrs/_speedups.so was built from another version" in result.stderr
     assert "pip install -e ." in result.stderr
+
+
+def test_a_materializer_that_reads_its_own_value_raises_recursion_error_at_a_high_recursion_limit(
+    value_reader: str,
+) -> None:
+    # In a subprocess: a C read that recursed without counting would overflow the stack and kill the interpreter.
+    code = """if True:
+        import sys
+        import modattrs.virtual
+        from torch import nn
+        from modattrs import VirtualTensor
+        if sys.argv[1] == "python":
+            modattrs.virtual._read = VirtualTensor._read
+
+        class Recursive(nn.Module):
+            def __init__(self):
+                super().__init__()
+                VirtualTensor(self, "x", "materialize")
+
+            def materialize(self, dtype, device):
+                return self.x.value
+
+        module = Recursive()
+        sys.setrecursionlimit(25000)
+        try:
+            module.x.value
+        except RecursionError:
+            print("RecursionError")
+    """
+    result = subprocess.run([sys.executable, "-c", code, value_reader], capture_output=True, text=True, check=False)
+    assert (result.returncode, result.stdout.strip()) == (0, "RecursionError"), result.stderr[-2000:]
