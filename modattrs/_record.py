@@ -18,7 +18,7 @@ from typing import Any, Union
 import torch
 
 from modattrs._names import callable_name
-from modattrs._torch_private import OpOverload, TreeSpec, tree_unflatten, version_of
+from modattrs._torch_private import OpOverload, TreeSpec, address_of, tree_unflatten, version_of
 
 __all__: list[str] = []
 
@@ -57,6 +57,23 @@ class Slot:
     written: bool
 
 
+@dataclass(frozen=True, slots=True)
+class Constant:
+    """A real tensor argument (``torch.tensor(...)``'s data, a tensor handed to the constructor): its position in the
+    flattened arguments, the tensor, its version when recorded, and whether the operation writes into it."""
+
+    index: int
+    tensor: torch.Tensor
+    version: int
+    written: bool
+
+
+# This replay's copy of each storage of the record's real tensors that it writes or aliases, by address: a record is
+# never changed by replaying it (a second replay, of a deep copy or of another part, starts from the same values),
+# and real tensors sharing a storage share its copy, as they share the storage in eager code.
+Copies = dict[int, torch.UntypedStorage]
+
+
 @dataclass(slots=True)
 class Op:
     """One recorded call: an aten operation, or an opaque initializer (a Python function)."""
@@ -65,7 +82,7 @@ class Op:
     flat: list[Any]  # the flattened (args, kwargs); fake tensors and real ones left as None
     spec: TreeSpec
     slots: tuple[Slot, ...]
-    constant_slots: tuple[tuple[int, torch.Tensor, int], ...]  # (position, real tensor, its version when recorded)
+    constant_slots: tuple[Constant, ...]
     device_slots: tuple[int, ...]
     generator_states: tuple[tuple[int, torch.Tensor], ...]  # (position, state before the operation)
     in_refs: frozenset[int]
@@ -95,22 +112,30 @@ class Op:
         tensors: Mapping[int, torch.Tensor],
         device: torch.device | None,
         generators: Mapping[int, torch.Generator] | None = None,
+        copies: Copies | None = None,
     ) -> tuple[Any, Any]:
         """The arguments to call ``func`` with: fake tensors replaced from ``tensors`` (by position), real ones
-        checked, devices replaced by ``device`` if given, generators by ``generators`` or by copies at their
-        recorded state."""
+        checked, and replaced by views of their storage's copy in ``copies`` where the operation writes them (an
+        opaque one may) or where the replay copied it before; devices replaced by ``device`` if given, generators by
+        ``generators`` or by copies at their recorded state. The real tensors it hands over unchanged may come back
+        in the results: see :func:`private_results`."""
         flat = list(self.flat)
         for position, tensor in tensors.items():
             flat[position] = tensor
-        for position, constant, version in self.constant_slots:
-            if version_of(constant) != version:
+        copies = {} if copies is None else copies
+        for constant in self.constant_slots:
+            tensor = constant.tensor
+            if version_of(tensor) != constant.version:
                 raise DeferredInitError(
-                    f"a real tensor ({tuple(constant.shape)}, {constant.dtype}) given to {self.name} while recording "
+                    f"a real tensor ({tuple(tensor.shape)}, {tensor.dtype}) given to {self.name} while recording "
                     "was changed in place since; the recorded "
                     "result would differ from what eager construction computed. Leave tensors handed to a deferred "
                     "module unchanged until it is materialized"
                 )
-            flat[position] = constant if device is None else constant.to(device)
+            if constant.written or self.opaque or address_of(tensor.untyped_storage()) in copies:
+                flat[constant.index] = _on_copy(tensor, device, copies)
+            else:
+                flat[constant.index] = tensor if device is None else tensor.to(device)
         if device is not None:
             for position in self.device_slots:
                 flat[position] = device
@@ -160,6 +185,41 @@ class Record:
                 overwritten_before_read.difference_update(op.reads)
             self._dead = count, dead = len(self.ops), frozenset(found)
         return dead
+
+
+def private_results(op: Op, results: list[Any], device: torch.device | None, copies: Copies) -> list[Any]:
+    """``results`` (the flattened results of ``op``, called with arguments from ``Op.arguments``), with each tensor
+    that shares memory with a real tensor of the record (``aten.lift_fresh`` returns its argument, a view views it)
+    replaced by the same view of this replay's copy: what the replay does to it next must not change the record."""
+    held = {address_of(constant.tensor.untyped_storage()): constant.tensor for constant in op.constant_slots}
+    private = list(results)
+    for index, result in enumerate(results):
+        if isinstance(result, torch.Tensor):
+            original = held.get(address_of(result.untyped_storage()))
+            if original is not None:
+                _on_copy(original, device, copies)  # the storage copied as it is: the operation did not write it
+                private[index] = _on_storage(result, copies[address_of(original.untyped_storage())])
+    return private
+
+
+def _on_copy(tensor: torch.Tensor, device: torch.device | None, copies: Copies) -> torch.Tensor:
+    """``tensor`` as a view of the same place in this replay's copy of its storage, copied now if it is not yet."""
+    storage = tensor.untyped_storage()
+    key = address_of(storage)
+    copy = copies.get(key)
+    if copy is None:
+        raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        copy = copies[key] = raw.to(device or storage.device, copy=True).untyped_storage()
+    return _on_storage(tensor, copy)
+
+
+def _on_storage(tensor: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
+    """A tensor with the geometry of ``tensor`` on ``storage``."""
+    if tensor.is_neg():  # a negative view cannot be made without a private name: its value, not aliased
+        return tensor.resolve_neg().to(storage.device, copy=True)
+    view = torch.empty(0, dtype=tensor.dtype, device=storage.device)
+    view.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+    return view.conj() if tensor.is_conj() else view
 
 
 def scratch_arguments(

@@ -21,6 +21,7 @@ import functools
 import os
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from modattrs import _cuda_guard, _generator, _torch_changes
 from modattrs._fake_tensors import ModattrsFakeTensorMode
 from modattrs._names import callable_name
-from modattrs._record import DeferredInitError, Draws, Key, Op, Record, Slot, scratch_arguments
+from modattrs._record import Constant, DeferredInitError, Draws, Key, Op, Record, Slot, scratch_arguments
 from modattrs._torch_private import (
     SAMPLE_DIRICHLET,
     STANDARD_GAMMA,
@@ -81,10 +82,14 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             random = torch.Tag.nondeterministic_seeded in func.tags
             pending = self._begin(func, args, kwargs, _mutated_arguments(func, args, kwargs), random=random)
             self._depth.n = 1
+            needs_values = False
             try:
                 result = super().__torch_dispatch__(func, types, args, kwargs)
-            except (DataDependentOutputException, DynamicOutputShapeException) as error:
-                raise _needs_values(callable_name(func)) from error
+            except (DataDependentOutputException, DynamicOutputShapeException):
+                # Raised below, unchained: torch's exception and its frames would keep the views that the code
+                # reading values made (tolist's rows) alive, and materializing, as the message says, refuses a
+                # tensor that views hold.
+                needs_values = True
             except (UnsupportedFakeTensorException, UnsupportedOperatorException) as error:
                 if isinstance(func, OpOverload) and func.namespace == "c10d":
                     raise DeferredInitError(
@@ -101,6 +106,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 ) from error
             finally:
                 self._depth.n = 0
+            if needs_values:
+                raise _needs_values(callable_name(func))
             self._finish(pending, result)
         return result
 
@@ -173,7 +180,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         flat = list(originals)
         written = {id(t) for t in mutated}
         slots: list[Slot] = []
-        constant_slots: list[tuple[int, torch.Tensor, int]] = []
+        constant_slots: list[Constant] = []
         device_slots: list[int] = []
         generators: list[tuple[int, torch.Generator]] = []
         for position, value in enumerate(originals):
@@ -201,7 +208,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 )
                 flat[position] = None
             elif isinstance(value, torch.Tensor):  # a real tensor from outside (torch.tensor(...), a loaded weight)
-                constant_slots.append((position, value, version_of(value)))
+                constant_slots.append(Constant(position, value, version_of(value), id(value) in written))
                 flat[position] = None
             elif isinstance(value, torch.device):
                 device_slots.append(position)
@@ -433,7 +440,7 @@ class _Pending:
     flat: list[Any]
     spec: TreeSpec
     slots: tuple[Slot, ...]
-    constant_slots: tuple[tuple[int, torch.Tensor, int], ...]
+    constant_slots: tuple[Constant, ...]
     device_slots: tuple[int, ...]
     generators: tuple[tuple[int, torch.Generator], ...]
     draws: Draws
@@ -563,15 +570,22 @@ def where() -> str:
     line: str | None = None
     while frame is not None and (method is None or line is None):
         code = frame.f_code
-        if method is None:
+        # Before Python 3.13 reading f_locals keeps a copy of the locals on the frame, which a traceback then keeps
+        # alive: only methods are read.
+        if method is None and code.co_argcount and code.co_varnames[0] == "self":
             owner = frame.f_locals.get("self")
             if isinstance(owner, torch.nn.Module):
                 method = f"{type(owner).__name__}.{code.co_name}"
-        if line is None and not code.co_filename.startswith(_LIBRARY_DIRS) and "<frozen" not in code.co_filename:
+        if line is None and not in_library(code):
             line = f"{code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
     parts = [f"in {method}" if method else "outside any module", f"at {line}" if line else None]
     return ", ".join(part for part in parts if part)
+
+
+def in_library(code: types.CodeType) -> bool:
+    """Whether ``code`` is torch's, modattrs' or the standard library's."""
+    return code.co_filename.startswith(_LIBRARY_DIRS) or "<frozen" in code.co_filename
 
 
 def _is_default(generator: torch.Generator) -> bool:

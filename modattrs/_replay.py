@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from modattrs import _generator
-from modattrs._record import DeferredInitError, Op, Point, Record
+from modattrs._record import Copies, DeferredInitError, Op, Point, Record, private_results
 from modattrs._torch_private import OpOverload, tree_flatten
 
 __all__: list[str] = []
@@ -70,6 +70,7 @@ def _run_kept(
     walk: _generator.Walk,
 ) -> None:
     frees = _last_uses(ops, kept, targets)
+    copies: Copies = {}
     for index in sorted(kept):
         op = ops[index]
         draws = walk.is_draw(index)
@@ -77,7 +78,7 @@ def _run_kept(
             walk.before(index)
         if op.default_dtype is not torch.get_default_dtype():
             torch.set_default_dtype(op.default_dtype)
-        _run(op, env, device)
+        _run(op, env, device, copies)
         if draws:
             walk.ran(index)
         for ref in frees.get(index, ()):
@@ -130,11 +131,21 @@ def _check_devices(ops: list[Op], kept: Iterable[int], device: torch.device | No
             devices.update(op.flat[position] for position in op.device_slots)
             devices.update(slot.device for slot in op.slots)
     for candidate in devices:
+        where = f"device={str(candidate)!r}" if device is not None else f"{candidate}, where it was recorded,"
         if candidate.type == "cuda" and not torch.cuda.is_available():
             raise DeferredInitError(
-                f"materializing needs real tensors on {candidate}, and this machine has no CUDA device; pass "
+                f"materializing needs real tensors on {where} and this machine has no CUDA device; pass "
                 "device='cpu' to materialize on the CPU instead"
             )
+        if candidate.type not in ("cpu", "meta"):
+            try:
+                torch.empty(0, device=candidate)
+            except Exception as error:  # torch's errors for a device it knows but cannot use are of many kinds
+                reason = str(error).split("\n")[0].split(". ")[0]
+                raise DeferredInitError(
+                    f"materializing needs real tensors on {where} and this machine cannot make them there "
+                    f"({type(error).__name__}: {reason}); pass device='cpu' to materialize on the CPU instead"
+                ) from None
     for index in kept:
         op = ops[index]
         for position, _ in op.generator_states:
@@ -182,17 +193,14 @@ def _is_collective(func: object) -> bool:
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
 
 
-def _run(op: Op, env: dict[int, torch.Tensor], device: torch.device | None) -> None:
-    args, kwargs = op.arguments({slot.index: env[slot.ref] for slot in op.slots}, device)
+def _run(op: Op, env: dict[int, torch.Tensor], device: torch.device | None, copies: Copies) -> None:
+    args, kwargs = op.arguments({slot.index: env[slot.ref] for slot in op.slots}, device, copies=copies)
     result = op.func(*args, **kwargs)
     if op.opaque:
         return  # an initializer that wrote into its argument, which env holds already
-    if isinstance(result, torch.Tensor):
-        ref = op.out_refs[0]
-        if ref is not None:
-            env[ref] = result
-        return
-    leaves, _ = tree_flatten(result)
+    leaves = [result] if isinstance(result, torch.Tensor) else tree_flatten(result)[0]
+    if op.constant_slots:
+        leaves = private_results(op, leaves, device, copies)
     for leaf, ref in zip(leaves, op.out_refs, strict=True):
         if ref is not None:
             env[ref] = leaf

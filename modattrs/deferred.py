@@ -16,6 +16,7 @@ import contextlib
 import functools
 import inspect
 import sys
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ParamSpec, TypeVar
@@ -23,7 +24,7 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 from torch import Tensor, nn
 
-from modattrs import _torch_changes
+from modattrs import _spoofed_cuda, _torch_changes
 from modattrs._attribute import own_attributes
 from modattrs._devices import as_device
 from modattrs._fake_tensors import ModattrsFakeTensorMode
@@ -31,12 +32,13 @@ from modattrs._generator import new_record
 from modattrs._module_tensors import own_tensors
 from modattrs._names import callable_name
 from modattrs._record import DeferredInitError
-from modattrs._recorder import RecordingFakeTensorMode, ValueReads, recording, recording_in_this_thread
+from modattrs._recorder import RecordingFakeTensorMode, ValueReads, in_library, recording, recording_in_this_thread
 from modattrs._replay import replay
 from modattrs._torch_private import (
     TABLE_NAMES,
     FakeTensor,
     buffers_of,
+    disable_current_modes,
     dtensor_local,
     fsdp_padded_shards,
     hooks_of,
@@ -159,10 +161,15 @@ def materialize_module(
     :func:`deferred_init` returned (no ``check_fn``, not ``buffers_only``) leaves the generator where eager code
     would have it after that module's last draw; a partial materialization puts it back as it found it.
 
+    The tensors are real whatever mode is active: a fake mode, another dispatch mode, or the recording of an
+    enclosing :func:`deferred_init`, are stepped out of for the replay. Replaying never changes the record, so a
+    deep copy of a deferred module materializes to the same values, before or after the original.
+
     Args:
         module: the module :func:`deferred_init` returned, or any of its submodules.
         device: where the real tensors go, whatever the recorded devices were (the CPU to check a ``cuda``
-            record on a machine without one). By default, the devices recorded, conversions included.
+            record on a machine without one). By default, the devices recorded, conversions included. ``cpu:1``
+            is the CPU, as for torch's tensors; ``meta`` is refused.
         check_fn: called with every submodule (``module`` included); only the own parameters and buffers of
             those it returns true for are materialized, the rest stay fake (torchdistx's rule, which FSDP1 uses).
         buffers_only: materialize buffers (and plain tensor attributes) only.
@@ -172,8 +179,9 @@ def materialize_module(
 
     Raises:
         DeferredInitError: a fake tensor of ``module`` cannot be accounted for by a record, or the replay cannot
-            run (a CUDA device on a machine without one, or a real tensor given to the constructor was changed
+            run (a device this machine cannot make tensors on, or a real tensor given to the constructor was changed
             since). The module is left as it was.
+        TypeError, ValueError: ``device`` is not a device, or is ``meta``, naming the argument.
     """
     chosen: dict[int, tuple[str, FakeTensor]] = {}
     for prefix, submodule in module.named_modules(remove_duplicate=True):
@@ -183,13 +191,21 @@ def materialize_module(
             if isinstance(tensor, FakeTensor):
                 chosen.setdefault(id(tensor), (label, tensor))
     full = check_fn is None and not buffers_only
-    _materialize(
-        list(chosen.values()),
-        module,
-        full=full,
-        device=None if device is None else as_device(device, "materialize_module"),
-    )
+    _materialize(list(chosen.values()), module, full=full, device=_replay_device(device))
     return module
+
+
+def _replay_device(device: torch.device | str | int | None) -> torch.device | None:
+    if device is None:
+        return None
+    parsed = as_device(device, "materialize_module")
+    if parsed.type == "meta":
+        raise ValueError(
+            f"materialize_module: device={device!r} makes tensors without values, and materializing makes the values "
+            "eager construction gives; pass a device with memory (device='cpu'), or leave the module deferred"
+        )
+    # torch puts a tensor asked for on cpu:1 on the CPU, which has no index: so do replays.
+    return torch.device("cpu") if parsed.type == "cpu" else parsed
 
 
 def materialize_tensor(tensor: TensorT) -> TensorT:
@@ -213,8 +229,14 @@ def register_opaque_init(owner: object, name: str, *, mutates: int = 0) -> None:
     call and returns that tensor; given anything else, it calls the function. The function must write into that
     argument in place, whatever it holds before, and not change its shape. Registering twice is harmless.
 
+    ``mutates`` counts the parameters of ``owner.name`` as read from ``owner``: ``self`` counts for a method
+    registered on its class, ``cls`` does not for a classmethod. The wrapper is stored as the function was, so it
+    is called as before: a staticmethod stays one, a classmethod stays one and is given the class it is called
+    through, a method is given its instance.
+
     Raises:
-        TypeError: ``owner.name`` is not callable.
+        TypeError: ``owner.name`` is not callable, is a builtin (whose signature cannot be read: wrap it in a
+            Python function and register that), or is a descriptor whose binding the wrapper cannot reproduce.
         ValueError: ``mutates`` is not the index of a positional parameter of the function.
     """
     func = getattr(owner, name)
@@ -224,30 +246,77 @@ def register_opaque_init(owner: object, name: str, *, mutates: int = 0) -> None:
         )
     if getattr(func, "__modattrs_opaque__", False):
         return
-    parameters = list(inspect.signature(func).parameters.values())
+    parameters = list(_signature(owner, name, func).parameters.values())
     if not 0 <= mutates < len(parameters) or parameters[mutates].kind not in _POSITIONAL:
         raise ValueError(
             f"register_opaque_init: mutates is the index of the positional argument {callable_name(owner)}.{name} "
             f"writes into; it takes {[p.name for p in parameters if p.kind in _POSITIONAL]}, got {mutates}"
         )
-    setattr(owner, name, _opaque_wrapper(func, mutates, parameters[mutates].name))
+    setattr(owner, name, _opaque_attribute(owner, name, func, mutates, parameters[mutates].name))
 
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
+def _signature(owner: object, name: str, func: Callable[..., Any]) -> inspect.Signature:
+    try:
+        return inspect.signature(func)
+    except (TypeError, ValueError) as error:  # builtins without a text signature: torch's operations, mostly
+        raise TypeError(
+            "register_opaque_init needs a Python function whose signature can be read, to find the argument it "
+            f"writes into; {callable_name(owner)}.{name} is a {type(func).__name__} without one.\n"
+            "To record a builtin as one call, wrap it in a Python function that takes the tensor it writes into and "
+            "register that. torch's own operations (torch.rand, Tensor.uniform_, ...) are recorded already, one "
+            "operation each, and need no registering"
+        ) from error
+
+
+def _opaque_attribute(owner: object, name: str, func: Callable[..., Any], mutates: int, keyword: str) -> object:
+    """The wrapper of ``func``, stored so that ``owner.name`` binds as before: read from the class or from an
+    instance, the wrapper is given the arguments the function was."""
+    if not isinstance(owner, type):  # a module or an instance: attributes of its own do not bind
+        return _opaque_wrapper(func, mutates, keyword)
+    stored = next((vars(klass)[name] for klass in owner.__mro__ if name in vars(klass)), None)  # None: metaclass
+    if isinstance(stored, classmethod):
+        return classmethod(_opaque_classmethod(stored, mutates, keyword))
+    if isinstance(stored, staticmethod) or not hasattr(type(stored), "__get__"):  # a partial, a metaclass method
+        return staticmethod(_opaque_wrapper(func, mutates, keyword))  # not bound (again) when read
+    if inspect.isfunction(func):  # a function, or a descriptor binding as one (functools.partialmethod)
+        return _opaque_wrapper(func, mutates, keyword)
+    raise TypeError(
+        f"register_opaque_init: {callable_name(owner)}.{name} is a {type(stored).__name__}, a descriptor whose "
+        "binding the wrapper cannot reproduce; it must be a staticmethod, a classmethod or a function (or a callable "
+        "object that does not bind). Register a function it calls instead"
+    )
+
+
 def _opaque_wrapper(func: Callable[..., Any], mutates: int, keyword: str) -> Callable[..., Any]:
     @functools.wraps(func)
     def recorded_when_deferred(*args: Any, **kwargs: Any) -> Any:
-        target = args[mutates] if len(args) > mutates else kwargs.get(keyword)
-        mode = _recording_mode(target)
-        if mode is None:
-            return func(*args, **kwargs)
-        assert isinstance(target, FakeTensor)
-        return mode.opaque_call(func, args, kwargs, target)
+        return _record_or_call(func, args, kwargs, mutates, keyword)
 
     recorded_when_deferred.__modattrs_opaque__ = True  # type: ignore[attr-defined]
     return recorded_when_deferred
+
+
+def _opaque_classmethod(method: classmethod[Any, Any, Any], mutates: int, keyword: str) -> Callable[..., Any]:
+    @functools.wraps(method.__func__)
+    def recorded_when_deferred(cls: type, *args: Any, **kwargs: Any) -> Any:
+        return _record_or_call(method.__get__(None, cls), args, kwargs, mutates, keyword)  # bound to the class called
+
+    recorded_when_deferred.__modattrs_opaque__ = True  # type: ignore[attr-defined]
+    return recorded_when_deferred
+
+
+def _record_or_call(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], mutates: int, keyword: str
+) -> Any:
+    target = args[mutates] if len(args) > mutates else kwargs.get(keyword)
+    mode = _recording_mode(target)
+    if mode is None:
+        return func(*args, **kwargs)
+    assert isinstance(target, FakeTensor)
+    return mode.opaque_call(func, args, kwargs, target)
 
 
 # --- materialization --------------------------------------------------------------------------------------------------
@@ -262,7 +331,16 @@ def _materialize(
     """Replay what ``chosen`` needs, record by record, and swap the results in.
 
     Everything that can refuse is checked before anything changes; if a replay fails, the generator is put back.
+    Real values are what materializing is for: it steps out of the caller's dispatch modes (a fake mode, modattrs'
+    or torch's own, the recording of an enclosing ``deferred_init``) and spoofed CUDA.
     """
+    with disable_current_modes(), _spoofed_cuda.truthful():
+        _replay_and_swap(chosen, module, full=full, device=device)
+
+
+def _replay_and_swap(
+    chosen: list[tuple[str, FakeTensor]], module: nn.Module | None, *, full: bool, device: torch.device | None
+) -> None:
     root_mode = _roots.get(module) if full and module is not None else None
     groups = _by_record(chosen)
     if root_mode is not None:
@@ -358,10 +436,44 @@ def _check_swappable(tensors: list[tuple[str, FakeTensor]]) -> None:
         # swapped first and let go of it.
         allowed = 1 + 2 * views_of.get(id(tensor), 0) + (1 if tensor.is_leaf and tensor.requires_grad else 0)
         if use_count(tensor) > allowed:
+            _let_go_of_errors_read_values()
+        if use_count(tensor) > allowed:
             raise DeferredInitError(
                 f"{label} cannot be made real in place: other tensors hold it (a view of it outside the module, or "
                 "the autograd graph of a fake forward pass whose outputs are still alive); drop them first"
             )
+
+
+def _let_go_of_errors_read_values() -> None:
+    """Clear the finished frames of torch and modattrs in the tracebacks of the DeferredInitError being handled and
+    of the one the interactive interpreter showed last, and in those of the exceptions chained below them.
+
+    Code that reads the values of a deferred tensor (``t.tolist()`` reads each row, a view of ``t``) raises an error
+    saying to materialize first; the traceback keeps the frames that were running, and with them those views, which
+    materializing would refuse to leave fake. Those frames have returned: their locals are only for post-mortem
+    debugging, and the code of the user's own frames keeps its own.
+    """
+    seen: set[int] = set()
+    for error in (sys.exc_info()[1], getattr(sys, "last_exc", None), getattr(sys, "last_value", None)):
+        below = False  # the DeferredInitError may be chained below one of the user's
+        while isinstance(error, BaseException) and id(error) not in seen:
+            seen.add(id(error))
+            below = below or isinstance(error, DeferredInitError)
+            if below:
+                _clear_library_frames(error.__traceback__)
+            error = error.__cause__ or error.__context__
+
+
+def _clear_library_frames(traceback: types.TracebackType | None) -> None:
+    while traceback is not None:
+        frame = traceback.tb_frame
+        if in_library(frame.f_code):
+            with contextlib.suppress(RuntimeError):  # a frame still running cannot be cleared
+                frame.clear()
+                # Before Python 3.13, the copy of the locals that reading f_locals made stays on the frame; reading
+                # f_locals again updates it to the locals there are now: none.
+                frame.f_locals  # noqa: B018
+        traceback = traceback.tb_next
 
 
 def _swap(swaps: list[tuple[str, FakeTensor, Tensor]]) -> None:
@@ -400,7 +512,9 @@ def _real_twin(label: str, fake: FakeTensor, real: Tensor, device: torch.device 
 
 
 def _same_device(one: torch.device, other: torch.device) -> bool:
-    return one.type == other.type and (one.index or 0) == (other.index or 0)  # cpu is cpu:0, cuda is cuda:0
+    if one.type == "cpu":  # torch puts a tensor asked for on cpu:1 on the CPU, which has no index
+        return other.type == "cpu"
+    return one.type == other.type and (one.index or 0) == (other.index or 0)  # cuda is cuda:0
 
 
 @functools.cache
