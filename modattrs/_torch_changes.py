@@ -25,6 +25,8 @@ import torch
 from modattrs import _cuda_guard, _fake_backward, _generator, _spoofed_cuda
 from modattrs._fake_tensors import ModattrsFakeTensorMode
 from modattrs._torch_private import (
+    ENGINE_ENTRY,
+    ENGINE_ENTRY_OWNERS,
     TRUNC_NORMAL_HELPER,
     FakeTensor,
     active_fake_mode,
@@ -114,10 +116,10 @@ def install_fake_cuda() -> None:
             return
         if not _cuda_guard.gpu_present():
             # 7. torch's autograd engine needs a real GPU for CUDA gradients: backward passes over spoofed-CUDA fakes
-            #    are simulated (see _fake_backward); everything else is torch's own. Tensor.backward looks
-            #    torch.autograd.backward up at call time: one replacement covers both.
-            _replace(torch.autograd, "backward", _fake_backward.simulating_backward)
-            _replace(torch.autograd, "grad", _fake_backward.simulating_grad)
+            #    are simulated (see _fake_backward); everything else is torch's own. The engine's entry is replaced,
+            #    under both its names, not torch.autograd.backward and grad: they take their arguments as torch does
+            #    (generators too) and warn at the caller's line, and a copy imported by name is covered.
+            _replace_under_both_names(ENGINE_ENTRY, _fake_backward.simulating_engine, ENGINE_ENTRY_OWNERS)
             if _cuda_guard.attention_needs_the_driver():
                 # 7b. On a CUDA build whose scaled_dot_product_attention asks the driver which kernel to use
                 #     (torch 2.8), spoofed-CUDA fakes take torch's math kernel, its own fallback; everything else
@@ -162,11 +164,11 @@ def _replace(owner: object, name: str, wrap: Wrap) -> None:
     _replaced.append(_Replaced(owner, name, original, inherited))
 
 
-def _replace_under_both_names(name: str, wrap: Wrap) -> None:
-    """Replace ``torch.name`` and ``torch.random.name``: one replacement when they are one function (so they stay
-    one), two when torch made them two."""
+def _replace_under_both_names(name: str, wrap: Wrap, owners: tuple[object, object] = (torch, torch.random)) -> None:
+    """Replace ``name`` in both ``owners``: one replacement when they hold one function (so they stay one), two
+    when torch made them two."""
     wrapped: dict[int, Callable[..., Any]] = {}
-    for owner in (torch, torch.random):
+    for owner in owners:
         original = getattr(owner, name)
         if id(original) not in wrapped:
             wrapped[id(original)] = wrap(original)
@@ -176,21 +178,28 @@ def _replace_under_both_names(name: str, wrap: Wrap) -> None:
 
 def _math_attention_for_spoofed_cuda(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     @functools.wraps(original)
-    def scaled_dot_product_attention(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-    ) -> torch.Tensor:
+    def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+        query = args[0] if args else kwargs.get("query")
         if not (isinstance(query, FakeTensor) and query.device.type == "cuda"):
-            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-        return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+            return original(*args, **kwargs)  # as given: torch takes and checks them
+        return _math_attention(*args, **kwargs)
 
     return scaled_dot_product_attention
+
+
+def _math_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """torch's math kernel, with the parameters of ``scaled_dot_product_attention`` (the last two keyword-only)."""
+    return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
 
 
 def _numpy_of_real_tensors(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -330,6 +330,24 @@ def restore_hooks(tensor: torch.Tensor, hooks: tuple[Any, Any]) -> None:
 #: The helper of torch.nn.init.trunc_normal_ that every caller (transformers' copy too) goes through; fake tensors
 #: are handed to their mode there. Checked on 2.8 to 2.15.
 TRUNC_NORMAL_HELPER = "_no_grad_trunc_normal_"
+
+# --- autograd --------------------------------------------------------------------------------------------------------
+
+#: The entry of torch's autograd engine, which ``torch.autograd.backward`` and ``grad`` call once they have taken
+#: their arguments (outputs and inputs made tuples, default gradients made, deprecated arguments warned about) and
+#: look up in ``torch.autograd``'s namespace at each call. It is defined in ``torch.autograd.graph`` and imported
+#: from there; torch.compiler patches it in both modules. No public hook sits between the arguments and the engine.
+#: Checked on 2.8 and 2.13.
+ENGINE_ENTRY = "_engine_run_backward"
+ENGINE_ENTRY_OWNERS: tuple[object, object] = (torch.autograd, torch.autograd.graph)
+
+
+def gradient_metadata(node: Any) -> Sequence[Any]:
+    """Shape, dtype and device (``.shape``, ``.dtype``, ``.device``) of each gradient a graph node receives, by
+    input number: no public accessor. Checked on 2.8 and 2.13; a node without it counts as receiving none."""
+    metadata: Sequence[Any] = getattr(node, "_input_metadata", ())
+    return metadata
+
 
 # --- CUDA ------------------------------------------------------------------------------------------------------------
 
