@@ -19,6 +19,8 @@ def as_device(value: object, what: str) -> torch.device:
     if not isinstance(value, (str, int)) or isinstance(value, bool):
         raise TypeError(f"{what}: device must be a torch.device, str or int, got {value!r}")
     try:
-        return torch.device(value)
+        # An int is a CUDA index, on any build: torch.device(1) asks for the machine's accelerator, which a build
+        # without CUDA lacks (and which is not CUDA everywhere).
+        return torch.device("cuda", value) if isinstance(value, int) else torch.device(value)
     except RuntimeError as error:
         raise ValueError(f"{what}: invalid device {value!r}: {error}") from None

@@ -259,7 +259,12 @@ def _check_cuda(device: torch.device, limit: int) -> None:
             f"fake tensors on {device} need modattrs.fake.fake_mode(fake_cuda=True) (or fake_copy to a CUDA device) "
             "first, on this machine, which has no GPU"
         )
-    if device.index is not None and device.index >= limit and not _cuda_guard.gpu_present():
+    if device.index is not None and not 0 <= device.index < limit and not _cuda_guard.gpu_present():
+        if device.index < 0:  # torch.device(200), for one: the index is 8 bits
+            raise ValueError(
+                f"{device}: not a CUDA device (torch wraps a device index past 127 around to a negative one); use "
+                f"cuda:0 to cuda:{limit - 1}"
+            )
         if limit == _spoofed_cuda.MAX_DEVICES:
             raise ValueError(f"{device}: torch's fake CUDA device guard knows cuda:0 to cuda:{limit - 1} only")
         raise ValueError(

@@ -126,7 +126,7 @@ def install_fake_cuda() -> None:
                 #     is torch's own. torch's flags to force that kernel are process-wide, so they are not used.
                 _replace(torch.nn.functional, "scaled_dot_product_attention", _math_attention_for_spoofed_cuda)
         # 8. Model code asks torch.cuda about the GPU (transformers' MoE layers ask its capability to choose a
-        #    kernel): inside fake_mode(fake_cuda=True) blocks, six of its functions answer as the spoofed GPU, in the
+        #    kernel): inside fake_mode(fake_cuda=True) blocks, nine of its functions answer as the spoofed GPU, in the
         #    block's thread only; everywhere else they are torch's own (see _spoofed_cuda).
         for name in _spoofed_cuda.ANSWERS:
             _replace(torch.cuda, name, _spoofed_cuda.answering(name))

@@ -365,6 +365,16 @@ def cuda_initialization_skipped() -> Iterator[None]:
         del state.is_initializing
 
 
+#: The functions of ``torch.cuda`` that ``torch.cuda.device`` (so ``device_of`` too) calls to switch the current device
+#: and back, looked up at each call; spoofed CUDA answers them (``torch.cuda.set_device`` is public). No public hook.
+#: Checked on 2.8 to 2.15.
+CUDA_DEVICE_EXCHANGES = ("_exchange_device", "_maybe_exchange_device")
+
+#: The binding that parses ``Module.to``'s arguments (:func:`parse_to`), as torch hands it to torch function modes,
+#: which see an int device there before the binding makes it a device. Checked on 2.8 to 2.15.
+PARSE_TO_BINDING: Callable[..., Any] = torch._C._nn._parse_to
+
+
 def import_dynamo() -> None:
     """Import ``torch._dynamo``, which wraps ``torch.manual_seed`` when it is imported (see _torch_changes)."""
     import torch._dynamo  # noqa: F401

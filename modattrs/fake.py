@@ -57,7 +57,9 @@ def fake_mode(
             ``backward`` functions do not run. From then on, fake CUDA tensors work in any fake mode of the
             process. Inside the block, in its thread only, ``torch.cuda.is_available()``, ``device_count()``,
             ``current_device()``, ``get_device_name()``, ``get_device_capability()`` and
-            ``get_device_properties()`` answer as ``device_count`` of ``gpu``.
+            ``get_device_properties()`` answer as ``device_count`` of ``gpu``, ``set_device()`` and
+            ``torch.cuda.device()`` accept the current device (``cuda:0``, always) and refuse others, and an int
+            given as a device (``.cuda(1)``, ``device=1``) is that CUDA device, on any build.
         gpu: the GPU that spoofed CUDA describes: :data:`H100` (the default, 80 GB), :data:`A100`, or a
             :class:`GPU` of your own. Needs ``fake_cuda=True``.
         device_count: how many spoofed GPUs there are, 1 to 8 (default 8): ``cuda:0`` to

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import ast
+import json
+import re
+import subprocess
+import sys
 import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from modattrs.fake import A100, GPU, H100, fake_mode, is_fake
+from modattrs.fake import A100, GPU, H100, fake_copy, fake_mode, is_fake
 
 QUERIES = ("is_available", "device_count", "current_device", "get_device_name", "get_device_capability")
 
@@ -32,7 +40,7 @@ def test_inside_fake_cuda_torch_cuda_describes_eight_80gb_h100s_by_default() -> 
         assert torch.cuda.get_device_name() == torch.cuda.get_device_name("cuda:7") == "NVIDIA H100 80GB HBM3"
         assert torch.cuda.get_device_capability(torch.device("cuda", 3)) == (9, 0)
         properties = torch.cuda.get_device_properties(1)
-    assert properties is H100
+    assert (properties.name, properties.major, properties.minor) == (H100.name, H100.major, H100.minor)
     assert 80e9 < properties.total_memory < 86e9
     assert properties.multi_processor_count == 132
 
@@ -149,3 +157,264 @@ def test_mixtral_asks_for_the_gpu_capability_and_builds_and_runs_forward_on_spoo
     assert (logits.shape, logits.device) == ((2, 7, 64), torch.device("cuda:0"))
     assert logits.dtype == torch.bfloat16
     assert all(is_fake(p) and p.device == torch.device("cuda:0") for p in model.parameters())
+
+
+# --- device properties -----------------------------------------------------------------------------------------------
+
+
+def torchs_device_property_names() -> set[str]:
+    """The public attributes of the installed torch's CUDA device properties: those of its class on a build with
+    CUDA, else those its type stubs declare (a build without CUDA has no class)."""
+    properties = getattr(torch._C, "_CudaDeviceProperties", None)
+    if properties is not None:
+        return {name for name in dir(properties) if not name.startswith("_")}
+    stubs = Path(torch.__file__).parent / "_C" / "__init__.pyi"
+    if stubs.exists():
+        for node in ast.parse(stubs.read_text()).body:
+            if isinstance(node, ast.ClassDef) and node.name == "_CudaDeviceProperties":
+                return {
+                    statement.target.id
+                    for statement in node.body
+                    if isinstance(statement, ast.AnnAssign)
+                    and isinstance(statement.target, ast.Name)
+                    and not statement.target.id.startswith("_")
+                }
+    pytest.skip("this torch has neither a CUDA device properties class nor a declaration of one")
+
+
+@pytest.mark.parametrize("gpu", [H100, A100], ids=["H100", "A100"])
+def test_spoofed_device_properties_have_every_attribute_that_torchs_own_have(gpu: GPU) -> None:
+    with fake_mode(fake_cuda=True, gpu=gpu, device_count=1):
+        properties = torch.cuda.get_device_properties(0)
+    ours = {name for name in dir(properties) if not name.startswith("_")}
+    assert torchs_device_property_names() - ours == set()
+
+
+@pytest.mark.parametrize(
+    ("gpu", "published_bandwidth", "boost_mhz"), [(H100, 3.35e12, 1980), (A100, 2.039e12, 1410)], ids=["H100", "A100"]
+)
+def test_the_preset_gpus_report_clocks_bus_and_shared_memory_that_match_their_published_specs(
+    gpu: GPU, published_bandwidth: float, boost_mhz: int
+) -> None:
+    with fake_mode(fake_cuda=True, gpu=gpu, device_count=1):
+        properties = torch.cuda.get_device_properties(0)
+    # Clocks are in kHz, as CUDA reports them; HBM moves data on both edges of its clock.
+    bandwidth = properties.memory_clock_rate * 1e3 * 2 * properties.memory_bus_width / 8
+    assert bandwidth == pytest.approx(published_bandwidth, rel=0.01)
+    assert properties.clock_rate == boost_mhz * 1000
+    assert properties.shared_memory_per_block == 48 * 1024
+    assert 48 * 1024 < properties.shared_memory_per_block_optin < properties.shared_memory_per_multiprocessor
+    assert properties.max_threads_per_block == 1024
+    assert properties.gcnArchName == gpu.name  # torch's CUDA builds report the name there
+
+
+def test_each_spoofed_device_has_a_uuid_of_its_own_that_stays_the_same_across_blocks() -> None:
+    def uuids() -> list[object]:
+        with fake_mode(fake_cuda=True, device_count=4):
+            return [torch.cuda.get_device_properties(index).uuid for index in range(4)]
+
+    first, second = uuids(), uuids()
+    texts = [str(one) for one in first]
+    assert texts == [str(one) for one in second]
+    assert len(set(texts)) == 4
+    for one, text in zip(first, texts, strict=True):
+        # torch prints a CUDA UUID as 32 lowercase hexadecimal digits grouped 8-4-4-4-12, and .bytes gives its bytes
+        assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", text)
+        assert one.bytes == list(uuid.UUID(text).bytes)  # type: ignore[attr-defined]
+
+
+def test_device_properties_of_a_gpu_of_your_own_take_what_it_gives_and_say_zero_for_what_it_does_not() -> None:
+    l4 = GPU(
+        "NVIDIA L4", major=8, minor=9, total_memory=22_491 * 2**20, multi_processor_count=58,
+        clock_rate=2_040_000, memory_bus_width=192,
+    )  # fmt: skip
+    with fake_mode(fake_cuda=True, gpu=l4, device_count=1):
+        properties = torch.cuda.get_device_properties()
+    assert (properties.clock_rate, properties.memory_bus_width, properties.memory_clock_rate) == (2_040_000, 192, 0)
+    assert properties.shared_memory_per_block == 48 * 1024
+
+
+def test_a_gpu_with_a_negative_clock_is_refused() -> None:
+    with pytest.raises(ValueError, match="clock_rate must be at least 0, got -1"):
+        GPU("broken", major=9, minor=0, total_memory=1, multi_processor_count=1, clock_rate=-1)
+
+
+# --- integer devices -------------------------------------------------------------------------------------------------
+
+#: Every way model code gives a CUDA device as an int, each making a fake tensor (or a module) on that device.
+INT_DEVICE_FORMS: dict[str, Callable[[int], object]] = {
+    "Module.cuda(i)": lambda i: nn.Linear(2, 2).cuda(i).weight,
+    "Module.to(i)": lambda i: nn.Linear(2, 2).to(i).weight,
+    "Module.to(device=i)": lambda i: nn.Linear(2, 2).to(device=i).weight,
+    "Module.to(i, dtype)": lambda i: nn.Linear(2, 2).to(i, torch.float16).weight,
+    "Module.to_empty(device=i)": lambda i: nn.Linear(2, 2).to_empty(device=i).weight,
+    "nn.Linear(device=i)": lambda i: nn.Linear(2, 2, device=i).weight,
+    "Tensor.cuda(i)": lambda i: torch.ones(2).cuda(i),
+    "Tensor.cuda(device=i)": lambda i: torch.ones(2).cuda(device=i),
+    "Tensor.to(i)": lambda i: torch.ones(2).to(i),
+    "Tensor.to(device=i)": lambda i: torch.ones(2).to(device=i),
+    "Tensor.to(i, dtype)": lambda i: torch.ones(2).to(i, torch.float16),
+    "Tensor.new_empty(device=i)": lambda i: torch.ones(2).new_empty(3, device=i),
+    "torch.ones(device=i)": lambda i: torch.ones(2, device=i),
+    "torch.empty(device=i)": lambda i: torch.empty(2, device=i),
+    "torch.arange(device=i)": lambda i: torch.arange(4, device=i),
+    "torch.tensor(device=i)": lambda i: torch.tensor([1.0, 2.0], device=i),
+    "torch.zeros_like(device=i)": lambda i: torch.zeros_like(torch.ones(2), device=i),
+}
+
+
+@pytest.mark.parametrize("form", INT_DEVICE_FORMS)
+def test_an_int_device_inside_spoofed_cuda_is_that_cuda_device(form: str) -> None:
+    with fake_mode(fake_cuda=True, device_count=2):
+        made = INT_DEVICE_FORMS[form](1)
+    assert isinstance(made, torch.Tensor)
+    assert is_fake(made)
+    assert made.device == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("form", INT_DEVICE_FORMS)
+def test_an_int_device_past_the_spoofed_count_is_refused_as_its_cuda_name_is(form: str) -> None:
+    with fake_mode(fake_cuda=True, device_count=2):
+        with pytest.raises(ValueError, match=r"^cuda:2: this fake_mode spoofs 2 CUDA devices, cuda:0 to cuda:1"):
+            INT_DEVICE_FORMS[form](2)
+        assert INT_DEVICE_FORMS[form](1).device == torch.device("cuda", 1)  # type: ignore[attr-defined]
+
+
+def test_a_module_moved_to_an_int_device_past_the_spoofed_count_stays_as_it_was() -> None:
+    with fake_mode(fake_cuda=True, device_count=2):
+        layer = nn.Linear(2, 2, device="cuda:1")
+        weight = layer.weight
+        with pytest.raises(ValueError, match="spoofs 2 CUDA devices"):
+            layer.to(5)
+    assert layer.weight is weight
+    assert {tensor.device for tensor in layer.parameters()} == {torch.device("cuda", 1)}
+
+
+def test_an_int_device_too_large_for_a_device_index_is_refused_rather_than_wrapped_around() -> None:
+    # torch keeps device indices in 8 bits: device=200 is cuda:-56.
+    with fake_mode(fake_cuda=True, device_count=2), pytest.raises(ValueError, match=r"not a CUDA device \(torch wraps"):
+        torch.ones(2, device=200)
+
+
+def test_a_negative_int_device_inside_spoofed_cuda_gets_torchs_own_error() -> None:
+    with fake_mode(fake_cuda=True), pytest.raises(RuntimeError, match="Device index must not be negative"):
+        torch.ones(2, device=-1)
+
+
+OUTSIDE_SCRIPT = """
+import json, sys, threading, torch
+from torch import nn
+
+def outcomes():
+    forms = {
+        "Tensor.cuda(1)": lambda: torch.ones(2).cuda(1),
+        "Tensor.to(1)": lambda: torch.ones(2).to(1),
+        "torch.ones(device=1)": lambda: torch.ones(2, device=1),
+        "Module.to(1)": lambda: nn.Linear(2, 2).to(1).weight,
+    }
+    seen = {}
+    for name, form in forms.items():
+        try:
+            seen[name] = str(form().device)
+        except Exception as error:
+            seen[name] = f"{type(error).__name__}: {error}".splitlines()[0]
+    return seen
+
+stock = outcomes()
+from modattrs.fake import fake_mode
+other_thread = []
+with fake_mode(fake_cuda=True, device_count=2):
+    thread = threading.Thread(target=lambda: other_thread.append(outcomes()))
+    thread.start()
+    thread.join()
+json.dump({"stock": stock, "other thread": other_thread[0], "after": outcomes()}, sys.stdout)
+"""
+
+
+@pytest.mark.skipif(
+    torch.accelerator.current_accelerator() is not None,
+    reason="torch itself makes int devices devices of its accelerator",
+)
+def test_int_devices_are_torchs_own_outside_spoofed_cuda_blocks_and_in_other_threads() -> None:
+    run = subprocess.run([sys.executable, "-c", OUTSIDE_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    seen = json.loads(run.stdout)
+    assert seen["other thread"] == seen["after"] == seen["stock"]
+    assert all(outcome.startswith("RuntimeError") for outcome in seen["stock"].values())
+
+
+# --- the current device ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", [0, "cuda:0", torch.device("cuda", 0), None, -1], ids=repr)
+def test_selecting_the_current_spoofed_device_is_allowed_and_changes_nothing(device: object) -> None:
+    with fake_mode(fake_cuda=True, device_count=2):
+        with torch.cuda.device(device):
+            assert torch.cuda.current_device() == 0
+            made = torch.empty(2, device="cuda")
+        if device is not None:
+            torch.cuda.set_device(device)  # type: ignore[arg-type]
+        assert torch.cuda.current_device() == 0
+    assert made.device == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("device", [1, "cuda:1", torch.device("cuda", 1)], ids=repr)
+def test_switching_the_current_spoofed_device_is_refused_saying_to_name_the_device(device: object) -> None:
+    with fake_mode(fake_cuda=True, device_count=2):
+        with pytest.raises(NotImplementedError, match=r"cuda:1.*current device stays cuda:0.*'cuda:1'"):
+            torch.cuda.set_device(device)  # type: ignore[arg-type]
+        with (
+            pytest.raises(NotImplementedError, match=r"cuda:1.*current device stays cuda:0"),
+            torch.cuda.device(device),
+        ):
+            pass
+        with pytest.raises(ValueError, match=r"cuda:5 is not one of the 2 spoofed devices"):
+            torch.cuda.set_device(5)
+        assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        1,
+        "cuda:1",
+        torch.device("cuda", 1),
+        pytest.param("numpy", id="numpy int"),
+        pytest.param("context", id="torch.cuda.device"),
+    ],
+)
+def test_torch_cuda_queries_take_a_device_in_every_form_torch_takes(device: object) -> None:
+    with fake_mode(fake_cuda=True, gpu=A100, device_count=2):
+        if device == "numpy":
+            device = pytest.importorskip("numpy").int64(1)
+        elif device == "context":
+            device = torch.cuda.device(1)  # made, not entered
+        properties = torch.cuda.get_device_properties(device)  # type: ignore[arg-type]
+        assert torch.cuda.get_device_name(device) == A100.name  # type: ignore[arg-type]
+        assert torch.cuda.get_device_capability(device) == (8, 0)  # type: ignore[arg-type]
+        first, second = (str(torch.cuda.get_device_properties(index).uuid) for index in range(2))
+    assert str(properties.uuid) == second != first  # the device asked about, not the current one
+
+
+def test_fake_copy_to_an_int_device_makes_its_twin_on_that_cuda_device() -> None:
+    twin = fake_copy(nn.Linear(2, 2), device=1)
+    assert is_fake(twin.weight)
+    assert twin.weight.device == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: torch.cuda.get_device_name("cpu"), ValueError, r"get_device_name: expected a CUDA device, got cpu"),
+        (lambda: torch.cuda.get_device_name("gpu:1"), ValueError, r"get_device_name: .*got 'gpu:1'"),
+        (lambda: torch.cuda.get_device_capability(True), TypeError, r"expected a CUDA device .*got bool: True"),
+        (lambda: torch.cuda.set_device("cuda"), ValueError, r"set_device: expected a CUDA device with an index"),
+        (lambda: torch.cuda.set_device(None), ValueError, r"set_device: expected a CUDA device with an index"),
+    ],
+    ids=["cpu", "unknown type", "bool", "no index", "None"],
+)
+def test_torch_cuda_queries_refuse_what_is_not_a_cuda_device_naming_the_function(
+    call: Callable[[], object], error: type[Exception], message: str
+) -> None:
+    with fake_mode(fake_cuda=True), pytest.raises(error, match=message):
+        call()
