@@ -16,7 +16,11 @@ parameter) and ``ShapedTensor`` attributes (a buffer and a parameter, with const
 * deleting and re-creating attributes, under their names and under names that hold aliases; aliases of the module's
   own attributes and of another module's (``m.alias = m.table``, ``m.cos = peer.table``, ``peer.t_alias = m.table``);
 * ``copy.deepcopy``, ``pickle`` and ``torch.save``/``torch.load`` of the whole module; rebuilding it, on the meta
-  device too.
+  device too;
+* materializing a module built by ``deferred_init`` (a ``Host`` with both attribute kinds, a BatchNorm) inside
+  whatever fake modes are open, whole or in part, twice from one record through a deep copy;
+* torch's autograd functions called with each argument form they take (generators, iterators, dicts of inputs,
+  keywords), in a process where fake CUDA has made modattrs' changes to torch.
 
 The machine keeps a model of every module it made (the main one, the peer whose attributes are aliased, and earlier
 main modules, kept as bystanders that nothing touches any more) and checks after every step that each module is what
@@ -54,7 +58,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 
 import modattrs
 from modattrs import ShapedTensor, VirtualTensor
-from modattrs.fake import fake_mode
+from modattrs.deferred import deferred_init, is_deferred, materialize_module, materialize_tensor
+from modattrs.fake import fake_mode, is_fake
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DTYPES = (*FLOATS, torch.int64)
@@ -677,6 +682,49 @@ def sspecs(draw: Any, valid: bool = True) -> SSpec:
     )  # fmt: skip
 
 
+# --- deferred modules and autograd argument forms --------------------------------------------------------------------
+
+
+def deferred_builds(specs: dict[str, Any]) -> dict[str, Any]:
+    """What the deferred rule builds: a Host with both attribute kinds, and modules holding a BatchNorm (whose
+    ``num_batches_tracked`` is a constant changed in place in ``__init__``)."""
+    return {
+        "host": lambda: Host(specs),
+        "batch norm": lambda: nn.BatchNorm1d(3),
+        "linear and batch norm": lambda: nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3)),
+    }
+
+
+DEFERRED_WAYS = {
+    "whole": lambda m: materialize_module(m),
+    "check_fn": lambda m: materialize_module(m, check_fn=lambda sub: not isinstance(sub, nn.Linear)),
+    "buffers_only": lambda m: materialize_module(m, buffers_only=True),
+    "one tensor": lambda m: materialize_tensor(next(iter([*m.parameters(), *m.buffers()]))),
+}
+
+
+def real_state(module: nn.Module) -> dict[str, Tensor]:
+    """Parameters, buffers and virtual values, read outside every fake mode."""
+    with unset_fake_temporarily():
+        state = dict([*module.named_parameters(), *module.named_buffers()])
+        for name, attribute in list(vars(module).items()):
+            if isinstance(attribute, VirtualTensor):
+                state[f"{name}.value"] = attribute.value
+        return state
+
+
+def forms_of(items: list[Tensor], form: str) -> Any:
+    """``items`` as torch's autograd functions take them: one tensor, a sequence, a one-pass iterable, a dict."""
+    return {
+        "tensor": lambda: items[0],
+        "list": lambda: list(items),
+        "tuple": lambda: tuple(items),
+        "generator": lambda: (item for item in items),
+        "iterator": lambda: iter(items),
+        "dict": lambda: dict(zip("wv", items, strict=False)),  # as many leaves as items
+    }[form]()
+
+
 # --- the machine -----------------------------------------------------------------------------------------------------
 
 
@@ -789,6 +837,8 @@ class Composition(RuleBasedStateMachine):
     )
     def setup(self, table, ramp, state, weight, peer_table, peer_state, meta, peer_meta, swap) -> None:  # type: ignore[no-untyped-def]
         torch.__future__.set_swap_module_params_on_conversion(swap)
+        with fake_mode(fake_cuda=True):  # once in the process: modattrs changes torch (autograd_argument_forms)
+            pass
         weight = dataclasses.replace(weight, param=True, persist_data=True)  # a parameter, unless None
         self.m, self.model = self.build({"table": table, "ramp": ramp, "state": state, "weight": weight}, meta, "m")
         self.peer, self.peer_model = self.build({"table": peer_table, "state": peer_state}, peer_meta, "peer")
@@ -1435,6 +1485,90 @@ class Composition(RuleBasedStateMachine):
         self.retire_main(module, model)
 
     # -- the invariant
+
+    # -- deferred initialization, materialized inside the open fake modes
+
+    @rule(
+        table=vspecs(kind="table"),
+        state=sspecs(),
+        build=st.sampled_from(["host", "batch norm", "linear and batch norm"]),
+        how=st.sampled_from(sorted(DEFERRED_WAYS)),
+        copy_first=st.booleans(),
+        seed=st.integers(0, 2**16),
+    )
+    def materialize_a_deferred_module(
+        self, table: VSpec, state: SSpec, build: str, how: str, copy_first: bool, seed: int
+    ) -> None:
+        # Materializing gives the eager values whatever fake modes are open, and a deep copy of the deferred module
+        # (timm's ModelEmaV3) replays the same record again; the open modes are left as they were, and the generator
+        # where eager construction leaves it.
+        make = deferred_builds({"table": table, "state": state})[build]
+        with unset_fake_temporarily():
+            torch.manual_seed(seed)
+            expected = real_state(make())
+            generator = torch.get_rng_state()
+            torch.manual_seed(seed)
+            deferred = deferred_init(make)
+            twin = copy.deepcopy(deferred) if copy_first else None
+        before = current_fake_mode()
+        DEFERRED_WAYS[how](deferred)
+        materialize_module(deferred)  # what the first way left deferred
+        if twin is not None:
+            materialize_module(twin)
+        assert current_fake_mode() is before
+        with unset_fake_temporarily():
+            assert torch.equal(torch.get_rng_state(), generator)
+            for module in filter(None, (deferred, twin)):
+                assert not is_deferred(module)
+                got = real_state(module)
+                assert got.keys() == expected.keys()
+                for name, tensor in expected.items():
+                    assert not is_fake(got[name]), name
+                    assert got[name].dtype == tensor.dtype, name
+                    assert torch.equal(got[name], tensor), name
+
+    # -- torch's autograd functions, in a process where fake CUDA changed torch (tests/conftest.py)
+
+    @precondition(lambda self: not self.in_fake_mode())
+    @rule(
+        call=st.sampled_from(["autograd.backward", "Tensor.backward", "autograd.grad"]),
+        outputs=st.sampled_from(["tensor", "list", "tuple", "generator", "iterator"]),
+        inputs=st.sampled_from([None, "tensor", "list", "tuple", "generator", "dict"]),
+        gradients=st.sampled_from([None, "list", "generator"]),
+        keywords=st.booleans(),
+    )
+    def autograd_argument_forms(
+        self, call: str, outputs: str, inputs: str | None, gradients: str | None, keywords: bool
+    ) -> None:
+        w = torch.arange(3.0, requires_grad=True)
+        v = torch.ones(2, requires_grad=True)
+        expected = {"w": 2 * w.detach(), "v": torch.full((2,), 3.0)}
+        if call == "Tensor.backward":
+            outputs = "tensor"  # a method of one output
+        used = [(w * w).sum(), (v * 3).sum()][: 1 if outputs == "tensor" else 2]
+        leaves = {"w": w, "v": v} if len(used) == 2 and inputs != "tensor" else {"w": w}
+        grads = None if gradients is None else forms_of([torch.ones(()) for _ in used], gradients)
+        if call == "Tensor.backward" and gradients is not None:
+            grads = torch.ones(())
+        targets = None if inputs is None else forms_of(list(leaves.values()), inputs)
+        if call == "autograd.grad":
+            targets = forms_of(list(leaves.values()), inputs or "list")
+            arguments = {"outputs": forms_of(used, outputs), "inputs": targets, "grad_outputs": grads}
+            result = torch.autograd.grad(**arguments) if keywords else torch.autograd.grad(*arguments.values())
+            got = dict(result) if isinstance(result, dict) else dict(zip(leaves, result, strict=True))
+        else:
+            if call == "autograd.backward" and keywords:
+                torch.autograd.backward(tensors=forms_of(used, outputs), grad_tensors=grads, inputs=targets)
+            elif call == "autograd.backward":
+                torch.autograd.backward(forms_of(used, outputs), grads, None, False, None, targets)
+            elif keywords:
+                used[0].backward(gradient=grads, inputs=targets)
+            else:
+                used[0].backward(grads, None, False, targets)
+            got = {name: leaf.grad for name, leaf in leaves.items()}
+        for name in leaves:
+            assert got[name] is not None, f"{call} given {outputs} outputs filled no gradient of {name}"
+            assert torch.equal(got[name], expected[name]), name
 
     @invariant()
     def everything_is_as_modelled(self) -> None:
