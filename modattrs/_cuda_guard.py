@@ -5,8 +5,9 @@ device guard for the device of their tensors, fake ones included. A CUDA build w
 pretends (torch's ``FakeGuardImpl``); a CPU-only build has none, and those calls fail, or abort the process when
 autograd is involved. The cure is to register torch's own ``FakeGuardImpl<CUDA>``, which takes a few lines of
 C++: they are compiled at the first use of fake CUDA and cached by torch's extension loader under a name that
-includes the torch version. ``_torch_changes`` registers it, and then replaces ``torch.autograd.backward`` and
-``grad`` by versions that simulate backward passes over spoofed-CUDA graphs (see ``_fake_backward``).
+includes the torch version. ``_torch_changes`` registers it, and then replaces the entry of torch's autograd engine
+(``_engine_run_backward``, which ``torch.autograd.backward`` and ``grad`` call once they have taken their arguments)
+by one that simulates backward passes over spoofed-CUDA graphs (see ``_fake_backward``).
 
 A CUDA build on a machine without a GPU or a driver (what ``pip install torch`` gives on Linux) has its real
 guard, and its bindings call ``torch.cuda._lazy_init()`` before moving even a fake tensor to CUDA, once per

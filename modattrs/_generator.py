@@ -123,21 +123,24 @@ def seeding(func: Callable[..., Any]) -> Callable[..., Any]:
     return seeding
 
 
-def restoring(func: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+def restoring(func: Callable[..., None]) -> Callable[..., None]:
     """``torch.set_rng_state`` (``func``), going back to the point a state from ``get_rng_state`` stands for, or
-    noting that the generator left the points of records."""
+    noting that the generator left the points of records. It takes its arguments as ``func`` does, and hands them
+    to it as given: ``func`` checks them."""
 
     @functools.wraps(func)
-    def restoring(new_state: torch.Tensor) -> None:
+    def restoring(*args: Any, **kwargs: Any) -> None:
         global epoch, _point
+        new_state = args[0] if args else kwargs.get("new_state")
         if isinstance(new_state, FakeTensor):
             raise DeferredInitError(
                 "torch.set_rng_state was given a fake tensor: a generator state copied (.clone()) while deferred_init "
                 "records is fake. Put back the tensor torch.get_rng_state returned, unchanged, or use fork_rng"
             )
         with lock:
-            point = _tags.get(new_state)  # type: ignore[no-untyped-call]
-            func(new_state)
+            # Only tensors are tagged (and can be held weakly): anything else is torch's to refuse.
+            point = _tags.get(new_state) if isinstance(new_state, torch.Tensor) else None  # type: ignore[no-untyped-call]
+            func(*args, **kwargs)
             if _suspended:
                 return
             if point is None:
@@ -149,15 +152,16 @@ def restoring(func: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], 
     return restoring
 
 
-def saving(func: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """``torch.get_rng_state`` (``func``), tagging the state it returns with the point the generator is at."""
+def saving(func: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``torch.get_rng_state`` (``func``), tagging the state it returns with the point the generator is at. Its
+    arguments (torch's takes none) are handed to ``func`` as given."""
 
     @functools.wraps(func)
-    def saving() -> torch.Tensor:
+    def saving(*args: Any, **kwargs: Any) -> torch.Tensor:
         if _point is None:  # no record is behind the generator (the common case): nothing to tag
-            return func()
+            return func(*args, **kwargs)
         with lock:
-            state = func()
+            state = func(*args, **kwargs)
             at = position(state)
             if not isinstance(at, torch.Tensor):
                 _tags[state] = at

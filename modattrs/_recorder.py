@@ -24,7 +24,7 @@ import threading
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -66,6 +66,13 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         super().__init__()
         self.record = record
         self._depth = threading.local()  # the mode calls itself for decompositions: only the outer call counts
+        # The real tensors handed to deferred_init, while it records, for messages: by id, and by storage for the
+        # tensors sharing their memory (``nn.Parameter(given)``). Dropped after: ids and addresses get reused.
+        self._handed: dict[int, _Real] = {}
+        self._handed_memory: dict[int, _Real] = {}
+        # Storages of fake tensors that view real ones (``given.view(2, 2)``), with the real tensor, for messages:
+        # a write through one of them would change the real tensor in eager code.
+        self._real_views: dict[int, _Real] = {}
 
     def __torch_dispatch__(
         self,
@@ -110,6 +117,22 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 raise _needs_values(callable_name(func))
             self._finish(pending, result)
         return result
+
+    @contextlib.contextmanager
+    def handed(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> Iterator[None]:
+        """Name the real tensors handed to ``deferred_init`` in messages while it records, each by where it is in
+        the arguments (``given``, ``layers[0]``, ``backbone.weight``)."""
+        for name, tensor in tensors:
+            if tensor.layout is not torch.strided:  # refused when used, and without a storage to key it by
+                continue
+            real = _Real(f"deferred_init's argument {name!r} ({tuple(tensor.shape)}, {tensor.dtype})", name)
+            self._handed.setdefault(id(tensor), real)
+            self._handed_memory.setdefault(address_of(tensor.untyped_storage()), real)
+        try:
+            yield
+        finally:
+            self._handed.clear()
+            self._handed_memory.clear()
 
     def opaque_call(
         self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], target: FakeTensor
@@ -216,6 +239,18 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                     _make_fake_cuda_possible(func)
             elif isinstance(value, torch.Generator) and not _is_default(value):
                 generators.append((position, value))
+        # A real tensor is read-only while recorded: eager code would change it, in place or through a view of it,
+        # and fake tensors have no values to write into it.
+        for constant in constant_slots:
+            if constant.written:
+                raise _writes_real(func, self._real(constant.tensor))
+        for slot in slots:
+            if slot.written and slot.storage in self._real_views:
+                real = self._real_views[slot.storage]
+                raise _writes_real(func, real._replace(text=f"a view of {real.text}"))
+        viewed = None
+        if isinstance(func, OpOverload) and func.is_view and func not in _LIFTS:
+            viewed = next((self._real(c.tensor) for c in constant_slots if c.index == 0), None)
         draws = Draws.NONE if not random else Draws.EXPLICIT if generators else Draws.DEFAULT
         value_writer = not isinstance(func, OpOverload) or func in _VALUE_WRITERS
         return _Pending(
@@ -231,7 +266,17 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             arg_refs={id(originals[slot.index]): slot.ref for slot in slots},
             value_writer=value_writer,
             overwrites=_overwritten(slots, originals) if value_writer else frozenset(),
+            viewed=viewed,
         )
+
+    def _real(self, tensor: torch.Tensor) -> _Real:
+        """A real tensor, for messages: the argument of deferred_init it is or shares memory with, if it is one."""
+        handed = self._handed.get(id(tensor))
+        if handed is not None:
+            return handed
+        text = f"a real tensor ({tuple(tensor.shape)}, {tensor.dtype})"
+        shared = self._handed_memory.get(address_of(tensor.untyped_storage()))
+        return _Real(text, None) if shared is None else _Real(f"{text} sharing memory with {shared.text}", shared.name)
 
     def _finish(self, pending: _Pending, result: Any) -> None:
         """Name the results, then append the operation, noting what it drew from."""
@@ -293,6 +338,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                     "strided tensors only: make this one after materialize_module"
                 )
             device = device or leaf.device
+            if pending.viewed is not None:
+                self._real_views.setdefault(self._storage_of(leaf), pending.viewed)
             ref = pending.arg_refs.get(id(leaf))
             if ref is None:
                 ref = record.next_ref
@@ -448,7 +495,30 @@ class _Pending:
     arg_refs: dict[int, int]
     value_writer: bool
     overwrites: frozenset[int]
+    viewed: _Real | None  # a view operation of a real tensor: that tensor, for messages
 
+
+class _Real(NamedTuple):
+    """A real tensor, for messages: what it is, and its name among deferred_init's arguments, if it is one."""
+
+    text: str
+    name: str | None
+
+
+def _writes_real(func: Callable[..., Any], real: _Real) -> DeferredInitError:
+    given = real.name or "tensor"
+    return DeferredInitError(
+        f"{callable_name(func)} writes in place into {real.text} ({where()}): eager code would change that real "
+        "tensor, which deferred_init did not make and cannot change (its fake tensors have no values to write), so "
+        "the materialized module would differ from eager construction. Hand the constructor a copy made inside the "
+        f"function deferred_init records, e.g. deferred_init(lambda: Model({given}.clone())): the copy is recorded "
+        f"with its changes, and {given} stays as it is. Or change the tensor before deferred_init, or after "
+        "materialize_module"
+    )
+
+
+# torch.tensor(...) hands its new real tensor to these, which no code but torch's sees: its fake is the record's own.
+_LIFTS = frozenset({torch.ops.aten.lift_fresh.default})
 
 # In-place operations that write values into their first argument whatever it held, and change nothing else of it.
 _VALUE_WRITERS = frozenset(

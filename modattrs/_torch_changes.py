@@ -14,7 +14,9 @@ keeps ``__wrapped__``), and each remembers what it replaced, so :func:`undo` res
 from __future__ import annotations
 
 import functools
+import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from modattrs._torch_private import (
     ENGINE_ENTRY,
     ENGINE_ENTRY_OWNERS,
     TRUNC_NORMAL_HELPER,
+    TRUNC_NORMAL_WARNINGS,
     FakeTensor,
     active_fake_mode,
     disable_current_modes,
@@ -79,6 +82,13 @@ def install() -> None:
         #    do not have, and has no __torch_function__ hook: its helper, which every caller (transformers' copy
         #    too) goes through, hands fake tensors to their mode (deferred_init records the call as one step).
         _replace(torch.nn.init, TRUNC_NORMAL_HELPER, _trunc_normal_for_fakes)
+        #    The helper warns (a mean far outside [a, b]) naming its caller, two frames up, and the replacement is one
+        #    frame more: the `warnings` its module warns through becomes one that does not count the replacement's
+        #    frame, so the warning names the line stock torch names, and the user's filters see it as they would.
+        helper = getattr(torch.nn.init, TRUNC_NORMAL_HELPER)
+        module = sys.modules[helper.__wrapped__.__module__]
+        if getattr(module, TRUNC_NORMAL_WARNINGS, None) is warnings:
+            _replace_by(module, TRUNC_NORMAL_WARNINGS, _WarningsSkipping(helper.__code__))
         # 4. Fake tensors draw nothing, so deferred_init keeps track of where eager code would have the default
         #    CPU generator (see _generator); a reseed or a state put back must be seen, also one that sets the state
         #    the generator already has. Both names of each function are wrapped.
@@ -158,9 +168,13 @@ def undo() -> None:
 
 
 def _replace(owner: object, name: str, wrap: Wrap) -> None:
+    _replace_by(owner, name, wrap(getattr(owner, name)))
+
+
+def _replace_by(owner: object, name: str, value: object) -> None:
     original = getattr(owner, name)
     inherited = name not in vars(owner)
-    setattr(owner, name, wrap(original))
+    setattr(owner, name, value)
     _replaced.append(_Replaced(owner, name, original, inherited))
 
 
@@ -174,6 +188,40 @@ def _replace_under_both_names(name: str, wrap: Wrap, owners: tuple[object, objec
             wrapped[id(original)] = wrap(original)
         setattr(owner, name, wrapped[id(original)])
         _replaced.append(_Replaced(owner, name, original, inherited=False))
+
+
+class _WarningsSkipping(types.ModuleType):
+    """The ``warnings`` module as torch code sees it through a module global, where a warning's ``stacklevel``
+    does not count the frames of a replacement (``skipped``): a warning names the frame it names without modattrs,
+    and the registry, module and filters that go with it are that frame's, as ``warnings.warn`` finds them."""
+
+    def __init__(self, skipped: types.CodeType) -> None:
+        super().__init__(warnings.__name__, warnings.__doc__)
+        self._skipped = skipped
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(warnings, name)
+
+    def warn(
+        self,
+        message: Any,
+        category: type[Warning] | None = None,
+        stacklevel: int = 1,
+        source: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        # The frame stacklevel names, counted without the replacement's frames; those passed are counted in.
+        frame = sys._getframe(1)
+        passed = 0
+        for _ in range(stacklevel - 1):
+            frame = frame.f_back  # type: ignore[assignment]
+            while frame is not None and frame.f_code is self._skipped:
+                frame = frame.f_back  # type: ignore[assignment]
+                passed += 1
+            if frame is None:
+                break
+        # One more for this frame: a stacklevel under 1 names warn's caller, as warnings.warn's own does.
+        warnings.warn(message, category, max(stacklevel, 1) + 1 + passed, source, **kwargs)
 
 
 def _math_attention_for_spoofed_cuda(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -204,26 +252,28 @@ def _math_attention(
 
 def _numpy_of_real_tensors(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def numpy(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def numpy(*args: Any, **kwargs: Any) -> Any:  # the tensor by position, as the method takes it
         if (
             dispatch_mode_count()
-            and not isinstance(self, FakeTensor)
+            and args
+            and not isinstance(args[0], FakeTensor)
             and isinstance(active_fake_mode(), ModattrsFakeTensorMode)
         ):
             with disable_current_modes():
-                return original(self, *args, **kwargs)
-        return original(self, *args, **kwargs)
+                return original(*args, **kwargs)
+        return original(*args, **kwargs)
 
     return numpy
 
 
 def _trunc_normal_for_fakes(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     @functools.wraps(original)
-    def trunc_normal(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def trunc_normal(*args: Any, **kwargs: Any) -> torch.Tensor:  # as given: the helper takes and checks them
+        tensor = args[0] if args else kwargs.get("tensor")
         if not isinstance(tensor, FakeTensor):
-            return original(tensor, *args, **kwargs)
+            return original(*args, **kwargs)
         if isinstance(tensor.fake_mode, ModattrsFakeTensorMode):
-            return tensor.fake_mode.opaque_call(original, (tensor, *args), kwargs, tensor)
+            return tensor.fake_mode.opaque_call(original, args, kwargs, tensor)
         return tensor  # a fake of torch's own mode: there are no values to write, as for meta tensors
 
     trunc_normal.__modattrs_opaque__ = True  # type: ignore[attr-defined]  # register_opaque_init: registered already

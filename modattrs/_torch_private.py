@@ -331,6 +331,11 @@ def restore_hooks(tensor: torch.Tensor, hooks: tuple[Any, Any]) -> None:
 #: are handed to their mode there. Checked on 2.8 to 2.15.
 TRUNC_NORMAL_HELPER = "_no_grad_trunc_normal_"
 
+#: The name the helper's module warns through (``import warnings``): the helper warns with ``stacklevel=2``, and
+#: nothing public lets a wrapper's frame not count; a stand-in for the module is put under this name. Checked on 2.8
+#: to 2.15.
+TRUNC_NORMAL_WARNINGS = "warnings"
+
 # --- autograd --------------------------------------------------------------------------------------------------------
 
 #: The entry of torch's autograd engine, which ``torch.autograd.backward`` and ``grad`` call once they have taken

@@ -85,7 +85,7 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
     _torch_changes.install()
     record = new_record()
     mode = RecordingFakeTensorMode(record)
-    with recording():
+    with recording(), mode.handed(_handed_tensors(module_fn, args, kwargs)):
         with mode, ValueReads():
             module = module_fn(*args, **kwargs)
             if isinstance(module, nn.Module):
@@ -105,6 +105,42 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
 
 
 _roots: weakref.WeakKeyDictionary[nn.Module, RecordingFakeTensorMode] = weakref.WeakKeyDictionary()
+
+
+def _handed_tensors(module_fn: Callable[..., Any], args: Any, kwargs: Any) -> list[tuple[str, Tensor]]:
+    """The real tensors among ``deferred_init``'s arguments for ``module_fn``, named for messages by where they are
+    (``given``, ``layers[0]``, ``backbone.weight``)."""
+    try:
+        signature = inspect.signature(module_fn)
+        bound = signature.bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):  # no signature to read, or arguments it refuses (the call will say so)
+        named = [*((f"args[{index}]", value) for index, value in enumerate(args)), *kwargs.items()]
+    else:
+        named = []
+        for name, value in bound.items():
+            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                named.extend(value.items())
+            else:
+                named.append((name, value))
+    found: list[tuple[str, Tensor]] = []
+    for name, value in named:
+        _find_real_tensors(name, value, found, depth=0)
+    return found
+
+
+def _find_real_tensors(name: str, value: object, found: list[tuple[str, Tensor]], *, depth: int) -> None:
+    if isinstance(value, Tensor):
+        if not isinstance(value, FakeTensor):
+            found.append((name, value))
+    elif isinstance(value, nn.Module):
+        held = [*value.named_parameters(), *value.named_buffers()]
+        found.extend((f"{name}.{key}", tensor) for key, tensor in held if not isinstance(tensor, FakeTensor))
+    elif depth < 2 and isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _find_real_tensors(f"{name}[{index}]", item, found, depth=depth + 1)
+    elif depth < 2 and isinstance(value, dict):
+        for key, item in value.items():
+            _find_real_tensors(f"{name}[{key!r}]", item, found, depth=depth + 1)
 
 
 def _detach_graphs(module: nn.Module) -> None:

@@ -986,6 +986,121 @@ def test_real_tensors_handed_to_the_constructor_stay_real_and_the_rest_materiali
     assert_bit_identical(eager, deferred)
 
 
+class WritesWhatItIsGiven(nn.Module):
+    """Writes in place into a real tensor it is given, in one of several ways, each on a line of its own."""
+
+    def __init__(self, given: Tensor, how: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+        if how == "read, then multiplied":
+            self.register_buffer("before", given * 1)
+        if how in ("multiplied", "read, then multiplied"):
+            given.mul_(3)  # writes: multiplied
+        elif how == "written through a view":
+            given.view(-1)[0] = 7  # writes: written through a view
+        elif how == "written as a buffer":
+            self.register_buffer("b", given)
+            self.b.add_(1)  # writes: written as a buffer
+        elif how == "initialized as a parameter":
+            self.p = nn.Parameter(given)
+            nn.init.normal_(self.p)  # writes: initialized as a parameter
+        elif how == "filled from a recorded tensor":
+            with torch.no_grad():
+                given[:2].copy_(self.linear.bias)  # writes: filled from a recorded tensor
+        self.register_buffer("held", given)
+
+
+# How the constructor writes, and the line that does it.
+WRITES = {
+    "multiplied": "multiplied",
+    "read, then multiplied": "multiplied",
+    "written through a view": "written through a view",
+    "written as a buffer": "written as a buffer",
+    "initialized as a parameter": "initialized as a parameter",
+    "filled from a recorded tensor": "filled from a recorded tensor",
+}
+
+
+@pytest.mark.parametrize("how", WRITES)
+def test_writing_into_a_real_tensor_handed_to_the_constructor_raises_at_recording_naming_it_the_op_and_line(
+    how: str,
+) -> None:
+    # Eager construction changes the tensor handed in; fake tensors have no values to write, so the deferred module
+    # could not give what eager construction gives: recording stops there, and the tensor is left as it was.
+    given = torch.arange(4.0)
+    with pytest.raises(DeferredInitError) as error:
+        deferred_init(WritesWhatItIsGiven, given, how=how)
+    message = str(error.value)
+    source, first = inspect.getsourcelines(WritesWhatItIsGiven)
+    line = first + next(n for n, text in enumerate(source) if text.endswith(f"# writes: {WRITES[how]}\n"))
+    assert message.startswith("aten.")
+    assert "deferred_init's argument 'given' ((4,), torch.float32)" in message
+    assert f"in WritesWhatItIsGiven.__init__, at {__file__}:{line}" in message
+    assert "given.clone()" in message  # what to do instead
+    assert torch.equal(given, torch.arange(4.0))
+
+
+@pytest.mark.parametrize("how", WRITES)
+def test_a_copy_made_inside_the_recorded_function_as_the_error_says_materializes_the_eager_values(how: str) -> None:
+    given = torch.arange(4.0)
+    torch.manual_seed(0)
+    eager = WritesWhatItIsGiven(given.clone(), how)
+    torch.manual_seed(0)
+    deferred = deferred_init(lambda: WritesWhatItIsGiven(given.clone(), how))
+    materialize_module(deferred)
+    assert_bit_identical(eager, deferred)
+    assert torch.equal(given, torch.arange(4.0))
+
+
+class ReadsWhatItIsGiven(nn.Module):
+    def __init__(self, given: Tensor) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.scaled = nn.Parameter(given * 2)
+        self.register_buffer("held", given)
+        self.register_buffer("copied", given.clone())
+        self.copied.mul_(3)  # a copy made while recording is the record's own
+        with torch.no_grad():
+            self.linear.bias.copy_(given)
+            self.linear.weight.add_(given)
+        self.register_buffer("rows", given.view(2, 2).sum(0))
+
+
+def test_a_real_tensor_handed_to_the_constructor_and_only_read_materializes_bit_identically_and_stays_unchanged() -> (
+    None
+):
+    torch.manual_seed(0)
+    eager = ReadsWhatItIsGiven(torch.arange(4.0) / 3)
+    given = torch.arange(4.0) / 3
+    torch.manual_seed(0)
+    deferred = deferred_init(ReadsWhatItIsGiven, given)
+    materialize_module(deferred)
+    assert_bit_identical(eager, deferred)
+    assert deferred.held is given
+    assert torch.equal(given, torch.arange(4.0) / 3)
+
+
+class HoldsAViewOf(nn.Module):
+    def __init__(self, given: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("table", given.view(2, 2))
+
+
+def test_writing_into_a_deferred_view_of_a_real_tensor_after_deferred_init_raises_and_leaves_it_materializable() -> (
+    None
+):
+    given = torch.arange(4.0)
+    module = deferred_init(HoldsAViewOf, given)
+    with pytest.raises(DeferredInitError) as error:
+        module.table.add_(1)  # eager code would change `given` through it
+    message = str(error.value)
+    assert message.startswith("aten.add_.Tensor writes in place into a view of deferred_init's argument 'given'")
+    assert f"outside any module, at {__file__}:" in message
+    materialize_module(module)
+    assert torch.equal(module.table, torch.arange(4.0).view(2, 2))
+    assert torch.equal(given, torch.arange(4.0))
+
+
 def test_storages_and_sparse_tensors_raise_naming_the_op() -> None:
     class SetsStorage(nn.Module):
         def __init__(self) -> None:

@@ -217,6 +217,13 @@ CALLS = {
     "trunc_normal_'s helper": "helper(torch.empty(5), 0.0, 1.0, -2.0, 2.0, generator=seeded(3))",
     "trunc_normal_'s helper, keywords": "helper(tensor=torch.empty(5), mean=0.0, std=1.0, a=-2.0, b=2.0)",
     "trunc_normal_'s helper, too few arguments": "helper(torch.empty(5), 0.0)",
+    "trunc_normal_'s helper without arguments": "helper()",
+    "trunc_normal_'s helper, only the tensor by keyword": "helper(tensor=torch.empty(5))",
+    "trunc_normal_, mean far outside [a, b]": "nn.init.trunc_normal_(torch.empty(5), mean=9.0, generator=seeded(4))",
+    "trunc_normal_'s helper, mean far outside [a, b]": "helper(torch.empty(5), -9.0, 1.0, -2.0, 2.0, seeded(4))",
+    # torch.nn.init's other warnings, which go through what it warns with too
+    "kaiming_uniform_ of an empty tensor": "nn.init.kaiming_uniform_(torch.empty(0))",
+    "a deprecated initializer": "getattr(nn.init, 'uniform')(torch.empty(3))",
     "manual_seed": "torch.manual_seed(3)",
     "manual_seed(seed=)": "torch.manual_seed(seed=3)",
     "random.manual_seed": "torch.random.manual_seed(3).initial_seed()",
@@ -229,6 +236,14 @@ CALLS = {
     "set_rng_state(new_state=)": "(torch.set_rng_state(new_state=state), torch.rand(2))",
     "random.set_rng_state": "(torch.random.set_rng_state(state), torch.rand(2))",
     "set_rng_state without a state": "torch.set_rng_state()",
+    "set_rng_state of a list": "torch.set_rng_state([1, 2])",
+    "set_rng_state of None": "torch.set_rng_state(None)",
+    "set_rng_state(new_state=) of an int": "torch.set_rng_state(new_state=5)",
+    "set_rng_state of a float tensor": "torch.set_rng_state(state.float())",
+    "set_rng_state, an unknown keyword": "torch.set_rng_state(state=state)",
+    "get_rng_state, an unknown keyword": "torch.get_rng_state(device='cpu')",
+    "Tensor.numpy without a tensor": "torch.Tensor.numpy()",
+    "Tensor.numpy of a list": "torch.Tensor.numpy([1.0])",
     "cuda.is_available": "torch.cuda.is_available()",
     "cuda.is_available(1)": "torch.cuda.is_available(1)",
     "cuda.device_count": "torch.cuda.device_count()",
@@ -335,6 +350,60 @@ def test_a_warning_of_torch_autograd_names_the_callers_line_once_modattrs_change
     assert result.returncode == 0, result.stderr[-3000:]
     expected = [("FutureWarning", str(path), line) for line in lines]
     assert result.stdout.splitlines() == [f"cpu {expected}", f"cuda {expected}"]
+
+
+# trunc_normal_ warns when the mean is far outside [a, b], naming its caller (torch's trunc_normal_, or the code that
+# called the helper): under each warning filter, what is shown, raised or left out, and where, is compared, and that a
+# warning raised as an error leaves the tensor and the generator untouched.
+TRUNC_NORMAL_WARNINGS = r"""
+def draw(function, mean):
+    tensor = torch.full((3,), 5.0)
+    state = torch.get_rng_state()
+    try:
+        if function == "trunc_normal_":
+            nn.init.trunc_normal_(tensor, mean=mean)
+        else:
+            nn.init._no_grad_trunc_normal_(tensor, mean, 1.0, -2.0, 2.0)  # the helper's caller
+        raised = None
+    except UserWarning as error:
+        raised = str(error)
+    untouched = torch.equal(tensor, torch.full((3,), 5.0)) and torch.equal(torch.get_rng_state(), state)
+    return raised, untouched
+
+
+LINES = open(__file__).read().splitlines()
+CALLER = next(number for number, line in enumerate(LINES, 1) if line.endswith("# the helper's caller"))
+FILTERS = {
+    "default": [("default",)],
+    "once": [("once",)],
+    "module": [("module",)],
+    "error": [("error",)],
+    "ignored in torch.nn.init": [("default",), ("ignore", "", Warning, r"torch\.nn\.init")],
+    "an error in __main__": [("default",), ("error", "", Warning, "__main__")],
+    "an error at the helper's caller's line": [("default",), ("error", "", Warning, "", CALLER)],
+}
+results = []
+for name, filters in FILTERS.items():
+    with warnings.catch_warnings(record=True) as caught:
+        for action, *rest in filters:
+            warnings.filterwarnings(action, *rest)
+        drawn = []
+        for function in ("trunc_normal_", "helper"):
+            for mean in (9.0, 9.0, -9.0):
+                drawn.append(draw(function, mean))
+    shown = [[w.category.__name__, str(w.message), w.filename, w.lineno] for w in caught]
+    results.append((name, {"drawn": drawn, "shown": shown}))
+print(json.dumps(results))
+"""
+
+
+@needs_fake_cuda
+def test_trunc_normal_warns_where_stock_torch_does_under_every_warning_filter(tmp_path: Path) -> None:
+    stock = outcomes(tmp_path, TRUNC_NORMAL_WARNINGS, "stock")
+    shown = {warning[2] for _, outcome in stock for warning in outcome["shown"]}
+    assert shown == {torch.nn.init.__file__, str(tmp_path / "calls.py")}  # both places are compared
+    assert {raised is not None for _, outcome in stock for raised, _ in outcome["drawn"]} == {True, False}
+    assert_same(stock, outcomes(tmp_path, TRUNC_NORMAL_WARNINGS, "replaced"))
 
 
 def test_the_attention_replacement_takes_the_argument_forms_of_torchs_attention() -> None:
