@@ -31,10 +31,13 @@ def simulating_engine(original: Callable[..., Any]) -> Callable[..., Any]:
     """torch's autograd engine entry (``original``) for everything but graphs involving spoofed-CUDA fakes."""
 
     @functools.wraps(original)
-    def run_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    def run_backward(*args: Any, **kwargs: Any) -> Any:  # as torch's functions call it: positionally
+        tensors = args[0] if args else kwargs.get("t_outputs")
         if not (isinstance(tensors, tuple) and _spoofed(tensors)):
-            return original(tensors, *args, **kwargs)
-        return _simulated(tensors, *args, **kwargs)
+            return original(*args, **kwargs)  # as given: torch takes and checks them
+        if not args:  # torch's entry names its first parameter t_outputs, its engine the rest
+            args = (kwargs.pop("t_outputs"),)
+        return _simulated(*args, **kwargs)
 
     return run_backward
 
