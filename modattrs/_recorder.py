@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -452,10 +453,18 @@ def _needs_values(operation: str) -> DeferredInitError:
             "after materialize_module, or record the function doing it as one call with "
             "modattrs.deferred.register_opaque_init"
         )
-    return DeferredInitError(
+    error = DeferredInitError(
         f"{operation} needs the values of a deferred tensor, which has none until it is materialized ({where()}): "
         "call modattrs.deferred.materialize_module on its module first"
     )
+    value_read_errors.add(error)
+    return error
+
+
+#: The errors raised for reading a deferred tensor's values that are still alive (kept by the user, a test's
+#: ``pytest.raises``, a logger, the interactive interpreter): their tracebacks hold views of the tensor, which
+#: materializing, as the errors advise, lets go of (see deferred._let_go_of_errors_read_values).
+value_read_errors: weakref.WeakSet[DeferredInitError] = weakref.WeakSet()
 
 
 # What the operations that read a value are called in Python.

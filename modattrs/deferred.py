@@ -32,7 +32,14 @@ from modattrs._generator import new_record
 from modattrs._module_tensors import own_tensors
 from modattrs._names import callable_name
 from modattrs._record import DeferredInitError
-from modattrs._recorder import RecordingFakeTensorMode, ValueReads, in_library, recording, recording_in_this_thread
+from modattrs._recorder import (
+    RecordingFakeTensorMode,
+    ValueReads,
+    in_library,
+    recording,
+    recording_in_this_thread,
+    value_read_errors,
+)
 from modattrs._replay import replay
 from modattrs._torch_private import (
     TABLE_NAMES,
@@ -481,23 +488,15 @@ def _check_swappable(tensors: list[tuple[str, FakeTensor]]) -> None:
 
 
 def _let_go_of_errors_read_values() -> None:
-    """Clear the finished frames of torch and modattrs in the tracebacks of the DeferredInitError being handled and
-    of the one the interactive interpreter showed last, and in those of the exceptions chained below them.
+    """Clear the finished frames of torch and modattrs in the tracebacks of the value-read errors still alive.
 
     Code that reads the values of a deferred tensor (``t.tolist()`` reads each row, a view of ``t``) raises an error
-    saying to materialize first; the traceback keeps the frames that were running, and with them those views, which
-    materializing would refuse to leave fake. Those frames have returned: their locals are only for post-mortem
-    debugging, and the code of the user's own frames keeps its own.
+    saying to materialize first; its traceback keeps the frames that were running, and with them those views, which
+    materializing would refuse to leave fake, for as long as anything keeps the error. Those frames have returned:
+    their locals are only for post-mortem debugging, and the code of the user's own frames keeps its own.
     """
-    seen: set[int] = set()
-    for error in (sys.exc_info()[1], getattr(sys, "last_exc", None), getattr(sys, "last_value", None)):
-        below = False  # the DeferredInitError may be chained below one of the user's
-        while isinstance(error, BaseException) and id(error) not in seen:
-            seen.add(id(error))
-            below = below or isinstance(error, DeferredInitError)
-            if below:
-                _clear_library_frames(error.__traceback__)
-            error = error.__cause__ or error.__context__
+    for error in list(value_read_errors):
+        _clear_library_frames(error.__traceback__)
 
 
 def _clear_library_frames(traceback: types.TracebackType | None) -> None:

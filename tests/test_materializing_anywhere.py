@@ -293,6 +293,20 @@ def test_materializing_right_after_a_caught_value_read_error_works(read: Callabl
 
 
 @pytest.mark.parametrize("read", READS.values(), ids=READS.keys())
+def test_materializing_while_the_value_read_error_is_still_kept_works(read: Callable[[Tensor], object]) -> None:
+    # As pytest.raises(...) as info, a logger or `kept = error` keep it: its traceback holds views of the tensor.
+    expected = eager(normalized_block)
+    with no_garbage_collection():
+        module = deferred(normalized_block)
+        with pytest.raises(DeferredInitError) as info:
+            read(module[0].weight)
+        kept = info.value
+        materialize_module(module)
+        assert kept.__traceback__ is not None  # the error is whole: only torch's and modattrs' finished frames cleared
+    assert_bit_identical(expected, module)
+
+
+@pytest.mark.parametrize("read", READS.values(), ids=READS.keys())
 def test_materializing_inside_the_handler_of_a_value_read_error_works(read: Callable[[Tensor], object]) -> None:
     expected = eager(normalized_block)
     with no_garbage_collection():
