@@ -15,6 +15,8 @@ import os
 import socket
 import subprocess
 import sys
+import traceback
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -138,21 +140,25 @@ def launch(world_size: int = 2, timeout: float = 120) -> None:
         raise SystemExit(f"a rank failed: exit codes {codes}")
 
 
-def end_rank() -> None:
-    """Leave the process now that this rank's work is done and its output flushed.
+def end_rank(code: int) -> NoReturn:
+    """End this rank's process with ``code``, its output flushed, skipping the interpreter's teardown.
 
-    torch's teardown of a gloo process group at interpreter exit now and then aborts a rank that finished cleanly
-    ("terminate called without an active exception", exit -6; plain torch, 2.8 to 2.15): ``os._exit`` skips it.
-    Only a rank that got here leaves this way; an exception before this line still ends the process with an error.
+    torch's teardown of a gloo process group at interpreter exit now and then aborts a rank, whatever it did
+    ("terminate called without an active exception", exit -6; plain torch, 2.8 to 2.15): ``os._exit`` skips it, so
+    a rank's exit code is its own, 0 when its work is done and 1 when it raised.
     """
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":
     if "RANK" in os.environ:
-        worker()
-        end_rank()
+        try:
+            worker()
+        except BaseException:
+            traceback.print_exc()
+            end_rank(1)
+        end_rank(0)
     else:
         launch()

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -431,15 +432,19 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def end_rank() -> None:
-    """Leave at once, output flushed: torch's gloo teardown at interpreter exit now and then aborts a rank that
-    finished ("terminate called without an active exception"; plain torch, see docs/distributed.rst). A rank that
-    raised never gets here, so it still fails its test."""
+def end_rank(code: int) -> NoReturn:
+    """Leave with ``code``, output flushed, skipping the interpreter's teardown: torch's gloo teardown at exit now and
+    then aborts a rank, whatever it did ("terminate called without an active exception"; plain torch, see
+    docs/distributed.rst). A rank that raised prints its traceback and leaves with 1, so it still fails its test."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    main()
-    end_rank()
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        end_rank(1)
+    end_rank(0)
