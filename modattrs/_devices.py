@@ -19,8 +19,10 @@ def as_device(value: object, what: str) -> torch.device:
     if not isinstance(value, (str, int)) or isinstance(value, bool):
         raise TypeError(f"{what}: device must be a torch.device, str or int, got {value!r}")
     try:
-        # An int is a CUDA index, on any build: torch.device(1) asks for the machine's accelerator, which a build
-        # without CUDA lacks (and which is not CUDA everywhere).
-        return torch.device("cuda", value) if isinstance(value, int) else torch.device(value)
+        if isinstance(value, int) and torch.accelerator.current_accelerator() is None:
+            # torch makes an int an index of the machine's accelerator, and fails on a build without one: there it
+            # is a CUDA index, as on CUDA builds, for fake CUDA (on MPS or XPU it stays theirs, as in torch).
+            return torch.device("cuda", value)
+        return torch.device(value)
     except RuntimeError as error:
         raise ValueError(f"{what}: invalid device {value!r}: {error}") from None
