@@ -10,6 +10,15 @@ from torch import Tensor, nn
 from modattrs import ShapedTensor, VirtualTensor
 
 
+def rejection_sample_(tensor: Tensor, limit: float) -> Tensor:
+    """Draw until every value is within the limit: how many draws it takes depends on the values."""
+    with torch.no_grad():
+        tensor.normal_()
+        while (outside := tensor.abs() > limit).any():
+            tensor[outside] = torch.randn(int(outside.sum()))
+    return tensor
+
+
 class RotaryInvFreq(nn.Module):
     """RoPE tables computed in ``__init__`` from arange, pow, outer and cat."""
 

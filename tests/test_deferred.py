@@ -45,6 +45,7 @@ from tests.deferred_models import (
     ViewsAndGraphs,
     WithAttributes,
     built_under_bfloat16,
+    rejection_sample_,
 )
 
 
@@ -677,15 +678,6 @@ def test_reading_values_while_recording_raises_naming_the_op_module_and_line() -
     assert "ReadsItsValues.__init__" in message
     assert f"test_deferred.py:{expected_line}" in message
     assert "register_opaque_init" in message
-
-
-def rejection_sample_(tensor: Tensor, limit: float) -> Tensor:
-    """Draw until every value is within the limit: how many draws it takes depends on the values."""
-    with torch.no_grad():
-        tensor.normal_()
-        while (outside := tensor.abs() > limit).any():
-            tensor[outside] = torch.randn(int(outside.sum()))
-    return tensor
 
 
 class RejectionSampled(nn.Module):

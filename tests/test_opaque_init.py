@@ -15,15 +15,7 @@ from torch import Tensor, nn
 
 from modattrs.deferred import deferred_init, is_deferred, materialize_module, register_opaque_init
 from modattrs.fake import is_fake
-
-
-def rejection_sample_(tensor: Tensor, limit: float) -> Tensor:
-    """Draw until every value is within the limit: how many draws it takes depends on the values."""
-    with torch.no_grad():
-        tensor.normal_()
-        while (outside := tensor.abs() > limit).any():
-            tensor[outside] = torch.randn(int(outside.sum()))
-    return tensor
+from tests.deferred_models import rejection_sample_
 
 
 def owner_of(kind: str) -> tuple[Any, int]:

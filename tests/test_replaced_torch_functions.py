@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from modattrs import _torch_changes
+from tests.test_torch_changes import fake_cuda_can_be_built
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -274,16 +275,6 @@ def outcomes(tmp_path: Path, script: str, setup: str) -> list[tuple[str, dict[st
     return [tuple(pair) for pair in json.loads(result.stdout.splitlines()[-1])]  # type: ignore[misc]
 
 
-def fake_cuda_can_be_built() -> bool:
-    from modattrs import _cuda_guard
-
-    try:
-        _cuda_guard.require()  # builds and caches it for the processes below too
-    except RuntimeError:
-        return False
-    return True
-
-
 def assert_same(stock: list[tuple[str, dict[str, Any]]], replaced: list[tuple[str, dict[str, Any]]]) -> None:
     assert [name for name, _ in stock] == [name for name, _ in replaced]
     differing = {name: (a, b) for (name, a), (_, b) in zip(stock, replaced, strict=True) if a != b}
@@ -323,6 +314,7 @@ WARNING_SCRIPT = r"""
 import warnings
 import torch
 from modattrs.fake import fake_mode
+from tests.test_torch_changes import fake_cuda_can_be_built
 
 with fake_mode(fake_cuda=True):
     pass  # spoofed CUDA set up: modattrs' changes to autograd are made
