@@ -71,8 +71,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         # tensors sharing their memory (``nn.Parameter(given)``). Dropped after: ids and addresses get reused.
         self._handed: dict[int, _Real] = {}
         self._handed_memory: dict[int, _Real] = {}
-        # Storages of fake tensors that view real ones (``given.view(2, 2)``), with the real tensor, for messages:
-        # a write through one of them would change the real tensor in eager code.
+        # Storages of fake tensors that view real ones (``given.view(2, 2)``), with the real tensor: a write through
+        # one of them would change the real tensor in eager code, so it is refused, naming the real tensor.
         self._real_views: dict[int, _Real] = {}
 
     def __torch_dispatch__(

@@ -141,7 +141,7 @@ def _check_devices(ops: list[Op], kept: Iterable[int], device: torch.device | No
             try:
                 torch.empty(0, device=candidate)
             except Exception as error:  # torch's errors for a device it knows but cannot use are of many kinds
-                reason = str(error).split("\n")[0].split(". ")[0]
+                reason = str(error).split("\n")[0]
                 raise DeferredInitError(
                     f"materializing needs real tensors on {where} and this machine cannot make them there "
                     f"({type(error).__name__}: {reason}); pass device='cpu' to materialize on the CPU instead"
