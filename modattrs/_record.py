@@ -60,12 +60,12 @@ class Slot:
 @dataclass(frozen=True, slots=True)
 class Constant:
     """A real tensor argument (``torch.tensor(...)``'s data, a tensor handed to the constructor): its position in the
-    flattened arguments, the tensor, its version when recorded, and whether the operation writes into it."""
+    flattened arguments, the tensor and its version when recorded. Recording refuses an operation that writes into
+    one, so replays only read it."""
 
     index: int
     tensor: torch.Tensor
     version: int
-    written: bool
 
 
 # This replay's copy of each storage of the record's real tensors that it writes or aliases, by address: a record is
@@ -132,7 +132,7 @@ class Op:
                     "result would differ from what eager construction computed. Leave tensors handed to a deferred "
                     "module unchanged until it is materialized"
                 )
-            if constant.written or self.opaque or address_of(tensor.untyped_storage()) in copies:
+            if self.opaque or address_of(tensor.untyped_storage()) in copies:
                 flat[constant.index] = _on_copy(tensor, device, copies)
             else:
                 flat[constant.index] = tensor if device is None else tensor.to(device)

@@ -232,7 +232,10 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 )
                 flat[position] = None
             elif isinstance(value, torch.Tensor):  # a real tensor from outside (torch.tensor(...), a loaded weight)
-                constant_slots.append(Constant(position, value, version_of(value), id(value) in written))
+                if id(value) in written:
+                    # Read-only while recorded: eager code would change it, and fake tensors have no values to write.
+                    raise _writes_real(func, self._real(value))
+                constant_slots.append(Constant(position, value, version_of(value)))
                 flat[position] = None
             elif isinstance(value, torch.device):
                 device_slots.append(position)
@@ -240,11 +243,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                     _make_fake_cuda_possible(func)
             elif isinstance(value, torch.Generator) and not _is_default(value):
                 generators.append((position, value))
-        # A real tensor is read-only while recorded: eager code would change it, in place or through a view of it,
-        # and fake tensors have no values to write into it.
-        for constant in constant_slots:
-            if constant.written:
-                raise _writes_real(func, self._real(constant.tensor))
+        # Nor through a fake view of a real tensor.
         for slot in slots:
             if slot.written and slot.storage in self._real_views:
                 real = self._real_views[slot.storage]
