@@ -17,11 +17,7 @@ is kept, so replays use it in constant time and the object ends where eager code
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
-import sys
 import threading
-import types
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from modattrs import _cuda_guard, _generator, _torch_changes
 from modattrs._fake_tensors import ModattrsFakeTensorMode
-from modattrs._names import callable_name
+from modattrs._names import callable_name, where
 from modattrs._record import Constant, DeferredInitError, Draws, Key, Op, Record, Slot, scratch_arguments
 from modattrs._torch_private import (
     SAMPLE_DIRICHLET,
@@ -632,38 +628,6 @@ def _mutated_arguments(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
         elif isinstance(value, (list, tuple)):
             tensors.extend(v for v in value if isinstance(v, torch.Tensor))
     return tensors
-
-
-# --- where an operation happened, for error messages -----------------------------------------------------------------
-
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(path) + os.sep for path in (torch.__file__, __file__, contextlib.__file__, functools.__file__)
-)
-
-
-def where() -> str:
-    """The innermost module method running and the first source line outside torch and modattrs."""
-    frame = sys._getframe(1)
-    method: str | None = None
-    line: str | None = None
-    while frame is not None and (method is None or line is None):
-        code = frame.f_code
-        # Before Python 3.13 reading f_locals keeps a copy of the locals on the frame, which a traceback then keeps
-        # alive: only methods are read.
-        if method is None and code.co_argcount and code.co_varnames[0] == "self":
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, torch.nn.Module):
-                method = f"{type(owner).__name__}.{code.co_name}"
-        if line is None and not in_library(code):
-            line = f"{code.co_filename}:{frame.f_lineno}"
-        frame = frame.f_back  # type: ignore[assignment]
-    parts = [f"in {method}" if method else "outside any module", f"at {line}" if line else None]
-    return ", ".join(part for part in parts if part)
-
-
-def in_library(code: types.CodeType) -> bool:
-    """Whether ``code`` is torch's, modattrs' or the standard library's."""
-    return code.co_filename.startswith(_LIBRARY_DIRS) or "<frozen" in code.co_filename
 
 
 def _is_default(generator: torch.Generator) -> bool:

@@ -149,6 +149,38 @@ def forget_constant_aliases(mode: FakeTensorMode, fake: FakeTensor) -> None:
     fake.constant = None  # in case torch's mapping did not list it
 
 
+def has_constant_aliases(mode: FakeTensorMode) -> bool:
+    """Whether ``mode`` lists any constant storage shared by several fakes (torch's look-up makes a TypedStorage,
+    dearer than this test). No public API; checked on 2.8 to 2.15."""
+    return bool(mode.fake_tensor_converter.constant_storage_mapping)
+
+
+def note_constant_alias(mode: FakeTensorMode, fake: FakeTensor) -> None:
+    """List ``fake`` under its constant's storage in ``mode``, so that :func:`forget_constant_aliases` of any fake
+    sharing that storage makes it forget too. No public API; checked on 2.8 to 2.15."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    converter = mode.fake_tensor_converter
+    refs = converter.constant_storage_mapping.get(StorageWeakRef(fake.constant._typed_storage()))
+    if refs is None or not any(ref() is fake for ref in refs):
+        converter.add_constant_storage_mapping(fake)
+
+
+def outside_modes() -> contextlib.ExitStack:
+    """A block in which torch functions and operations run as plain CPU torch, past every torch function mode (the
+    device context, spoofed CUDA) and dispatch mode: the real half of an operation on constants. ``torch._C``'s
+    guards have no public counterpart (``disable_current_modes`` pops modes, dearer). Checked on 2.8 to 2.15."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._C.DisableTorchFunction())
+    stack.enter_context(torch._C._DisableTorchDispatch())
+    return stack
+
+
+def operator_arguments(func: OpOverload) -> tuple[str, ...]:
+    """The names of an aten operation's arguments, from its schema: no public accessor. Checked on 2.8 to 2.15."""
+    return tuple(argument.name for argument in func._schema.arguments)
+
+
 def forget_real_tensors(mode: FakeTensorMode) -> None:
     """Drop ``mode``'s weak references to the real tensors and storages it made fakes of, once the mode is left.
 

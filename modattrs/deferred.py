@@ -30,12 +30,11 @@ from modattrs._devices import as_device
 from modattrs._fake_tensors import ModattrsFakeTensorMode
 from modattrs._generator import new_record
 from modattrs._module_tensors import own_tensors
-from modattrs._names import callable_name
+from modattrs._names import callable_name, in_library
 from modattrs._record import DeferredInitError
 from modattrs._recorder import (
     RecordingFakeTensorMode,
     ValueReads,
-    in_library,
     recording,
     recording_in_this_thread,
     value_read_errors,
