@@ -14,6 +14,10 @@
 * A detached fake tensor holds no constant (the values torch keeps for small tensors made from Python numbers),
   and the tensors it shares storage with forget theirs: torch would memoize it (a weak reference again), and
   ``nn.Parameter(torch.tensor(2.0))`` could then not be moved.
+* Construction-time constants: a fake tensor made from Python numbers and other constants by operations that draw
+  no random numbers keeps its values (``FakeTensor.constant``, always a plain CPU tensor, whatever device the fake
+  is on), so ``.item()``, ``.tolist()``, ``if``, ``unique`` and ``nonzero`` on it work as in eager code. See
+  "Construction-time constants" below.
 * On a machine without a GPU, CUDA devices are refused until fake CUDA is set up (see ``_cuda_guard``): without
   it, some operations fail, and on a build of torch without CUDA autograd aborts the process. Devices past the
   spoofed device count are refused.
@@ -34,20 +38,31 @@ from torch import nn
 
 from modattrs import _cuda_guard, _spoofed_cuda
 from modattrs._devices import as_device
+from modattrs._names import where
 from modattrs._torch_private import (
     FAKE_DEVICE_ATTRIBUTE,
     NORMALIZES_FAKE_DEVICE_APART,
+    DataDependentOutputException,
+    DynamicOutputShapeException,
     FakeTensor,
     FakeTensorConfig,
     FakeTensorConverter,
     FakeTensorMode,
+    OpOverload,
+    address_of,
     call_as_meta,
     disable_current_modes,
     fake_tensor_attributes,
     forget_constant_aliases,
+    has_constant_aliases,
     normalize_fake_device,
+    note_constant_alias,
+    operator_arguments,
+    outside_modes,
+    overloads_of,
     retype_converter,
     wrap_meta,
+    written_arguments,
 )
 
 __all__: list[str] = []
@@ -80,6 +95,44 @@ _FACTORIES: dict[Any, Callable[..., torch.Tensor]] = {
     aten.ones.default: torch.ones,
     aten.zeros.default: torch.zeros,
     aten.full.default: torch.full,
+}
+
+
+#: The most elements a constant made by an operation may have (a view of a constant has no bound: it adds no memory).
+CONSTANT_LIMIT = 4096
+
+_CPU = torch.device("cpu")
+
+#: Factories whose values do not depend on values of tensor arguments (the ``*_like``/``new_*`` ones read only
+#: their input's metadata): their results are constants when small. Not those writing an ``out=`` argument.
+_CONSTANT_FACTORIES = frozenset(
+    op
+    for op in overloads_of(
+        aten.arange, aten.linspace, aten.logspace, aten.eye, aten.scalar_tensor, aten.tril_indices,
+        aten.triu_indices, aten.hann_window, aten.hamming_window, aten.bartlett_window, aten.blackman_window,
+        aten.kaiser_window, aten.fft_fftfreq, aten.fft_rfftfreq, aten.zeros_like, aten.ones_like, aten.full_like,
+        aten.new_zeros, aten.new_ones, aten.new_full,
+    )
+    if not written_arguments(op)
+)  # fmt: skip
+#: modattrs' own factory short path that also makes constants.
+_VALUED_FACTORIES = frozenset({aten.ones.default, aten.zeros.default, aten.full.default})
+#: Results that hold whatever memory held, and operations that give a tensor other memory: never constants.
+_UNINITIALIZED = overloads_of(
+    aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided, aten.empty_permuted,
+    aten.resize_, aten.resize_as_, aten.set_,
+)  # fmt: skip
+
+_VALUE_ONLY, _DETACH, _META_FACTORY, _CONSTANT_FACTORY, _LIFT, _DEVICE = range(1, 7)
+#: One look-up per operation says which of modattrs' paths it takes (an OpOverload hashes in Python).
+_ROUTE: dict[Any, int] = {
+    **dict.fromkeys(_CONSTANT_FACTORIES, _CONSTANT_FACTORY),
+    **dict.fromkeys(_VALUE_ONLY_IN_PLACE, _VALUE_ONLY),
+    **dict.fromkeys(_FACTORIES, _META_FACTORY),
+    aten.detach.default: _DETACH,
+    torch.ops.prim.device.default: _DEVICE,
+    aten.lift_fresh.default: _LIFT,
+    aten.lift_fresh_copy.default: _LIFT,
 }
 
 
@@ -150,19 +203,50 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         if type(first) is FakeTensor and first.fake_mode is not self and isinstance(first.fake_mode, type(self)):
             with first.fake_mode:  # another mode's tensor: its own mode runs the operation
                 return func(*args, **(kwargs or {}))
-        if func in _VALUE_ONLY_IN_PLACE and _plain_fake(first, self):
+        route = _ROUTE.get(func)
+        if route is _CONSTANT_FACTORY:
+            return _factory(self, func, types, args, kwargs or {})
+        if route is _LIFT:
+            lifted = _lift(self, args)
+            if lifted is not None:
+                return lifted
+        elif route is not _DEVICE and route is not _DETACH and route is not _META_FACTORY:
+            constants, unknown = _scan(self, args, kwargs)
+            if constants:  # off the hot path: most operations meet no constant
+                kwargs = kwargs or {}
+                if unknown or not isinstance(func, OpOverload) or func in _UNINITIALIZED or _random(func):
+                    return _run_forgetting(self, func, types, args, kwargs, constants)
+                return _run_both(self, func, types, args, kwargs, constants)
+        return self._fake_only(func, types, args, kwargs, route)
+
+    def _fake_only(
+        self, func: Any, types: Sequence[type], args: Sequence[Any], kwargs: Mapping[str, Any] | None, route: Any
+    ) -> Any:
+        """The operation on fake tensors, constants hidden or absent: modattrs' short paths, else torch's."""
+        first = args[0] if args else None
+        if route is _VALUE_ONLY and _plain_fake(first, self):
             return first
         kwargs = kwargs or {}
         check_device(kwargs.get("device"))
-        if func is aten.detach.default and type(first) is FakeTensor and first.fake_mode is self:
+        if route is _DETACH and type(first) is FakeTensor and first.fake_mode is self:
             if first.constant is not None:
                 _forget_constant(self, first)
             return self._wrap(call_as_meta(self, func, *args), first.device)
-        factory = _FACTORIES.get(func)
-        if factory is not None and kwargs.get("layout") in (None, torch.strided):
+        if route is _META_FACTORY and kwargs.get("layout") in (None, torch.strided):
+            factory = _FACTORIES[func]
             device = torch.device(kwargs.get("device") or "cpu")
-            return self._wrap(factory(*args, **{**kwargs, "device": "meta", "pin_memory": False}), device)
-        return super().__torch_dispatch__(func, types, args, kwargs)
+            meta = factory(*args, **{**kwargs, "device": "meta", "pin_memory": False})
+            fake = self._wrap(meta, device)
+            if func in _VALUED_FACTORIES and device.type != "meta" and meta.numel() <= CONSTANT_LIMIT:
+                with outside_modes():  # ones, zeros, full: the values are known, and small
+                    fake.constant = factory(*args, **{**kwargs, "device": _CPU, "pin_memory": False})
+            return fake
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException) as error:
+            if isinstance(error, _ClearError):
+                raise
+            raise _clear(error, func) from None
 
     def _wrap(self, meta: torch.Tensor, device: torch.device) -> FakeTensor:
         """``FakeTensor(self, meta, device)`` for a fresh meta tensor, made faster.
@@ -281,10 +365,336 @@ def _forget_constant(mode: FakeTensorMode, tensor: FakeTensor) -> None:
     ``torch.utils.swap_tensors``, which refuses tensors that have one. The detached tensor is made without its
     constant; the tensors it aliases forget theirs, which a write through it would leave stale.
     """
-    forget_constant_aliases(mode, tensor)
+    if has_constant_aliases(mode):
+        forget_constant_aliases(mode, tensor)
+    tensor.constant = None
 
 
 def _plain_fake(tensor: object, mode: FakeTensorMode) -> bool:
     # The short paths are for ordinary fakes of this mode: fakes holding a constant (small tensors made from Python
     # values) take torch's path, which keeps the constant right.
     return type(tensor) is FakeTensor and tensor.fake_mode is mode and tensor.constant is None
+
+
+# --- construction-time constants --------------------------------------------------------------------------------------
+#
+# A constant is a fake tensor that also holds its values in ``FakeTensor.constant`` (torch's own attribute, for the
+# small tensors torch makes from Python numbers), always a plain CPU tensor whatever device the fake is on. It is
+# made by a factory whose values do not depend on tensors' values (``_CONSTANT_FACTORIES``, ones, zeros, full), by
+# ``torch.tensor(...)`` (``lift_fresh``, of the real tensor torch made), and by any deterministic operation all of
+# whose tensor arguments are constants (or small real CPU tensors), while it has at most CONSTANT_LIMIT elements (a
+# view of a constant always qualifies). An operation on constants runs twice: the fake one as before with the
+# constants hidden from torch (whose own propagation would make CPU fakes where CUDA ones belong, and memoize them
+# under weak references), and the real one on the CPU. A write with anything that is not a constant, a random
+# operation, or a view that cannot hold the values makes the constant and its aliases forget their values.
+
+
+def _factory(
+    mode: ModattrsFakeTensorMode, func: Any, types: Sequence[type], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> Any:
+    """A factory: the fake as before, and a constant too when small (tensor arguments give metadata only)."""
+    held = [a for a in args if type(a) is FakeTensor and a.constant is not None]  # zeros_like(constant)
+    with _Hidden(held):
+        fake = mode._fake_only(func, types, args, kwargs, _CONSTANT_FACTORY)
+    if type(fake) is not FakeTensor or fake.device.type == "meta" or fake.layout is not torch.strided:
+        return fake  # on the meta device values are refused, as outside fake mode
+    with outside_modes():
+        if fake.numel() > CONSTANT_LIMIT:
+            return fake
+        real_args = [
+            torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=_CPU) if isinstance(a, torch.Tensor) else a
+            for a in args
+        ]
+        real_kwargs = dict(kwargs)
+        if "device" in real_kwargs or "device" in operator_arguments(func):
+            real_kwargs["device"] = _CPU
+        if "pin_memory" in real_kwargs:
+            real_kwargs["pin_memory"] = False
+        fake.constant = func(*real_args, **real_kwargs)
+    return fake
+
+
+def _lift(mode: ModattrsFakeTensorMode, args: Sequence[Any]) -> FakeTensor | None:
+    """``torch.tensor(data)``: a constant holding a copy of the real tensor torch made (torch itself keeps one of at
+    most one element, and memoizes the fake under a weak reference); None to take torch's path."""
+    real = args[0] if len(args) == 1 else None
+    if type(real) is not torch.Tensor or real.layout is not torch.strided or not _usable_real(real):
+        return None
+    with outside_modes():
+        constant = real.detach().clone()
+        meta = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device="meta")
+    fake = mode._wrap(meta, real.device)
+    fake.constant = constant
+    return fake
+
+
+def _scan(
+    mode: ModattrsFakeTensorMode, args: Sequence[Any], kwargs: Mapping[str, Any] | None
+) -> tuple[list[FakeTensor], bool]:
+    """The fake arguments of ``mode`` that hold constants, and whether any tensor argument has no known values."""
+    constants: list[FakeTensor] = []
+    unknown = False
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if type(value) is FakeTensor:
+            if value.constant is not None and value.fake_mode is mode:
+                constants.append(value)
+            else:
+                unknown = True
+        elif type(value) is list or type(value) is tuple:
+            for item in value:
+                if type(item) is FakeTensor:
+                    if item.constant is not None and item.fake_mode is mode:
+                        constants.append(item)
+                    else:
+                        unknown = True
+                elif isinstance(item, torch.Tensor) and not _usable_real(item):
+                    unknown = True
+        elif isinstance(value, torch.Tensor) and not _usable_real(value):
+            unknown = True
+    return constants, unknown
+
+
+def _usable_real(tensor: torch.Tensor) -> bool:
+    """A real tensor handed in whose values can serve as a constant's (what ``torch.tensor`` lifts is one)."""
+    return type(tensor) is torch.Tensor and tensor.device.type == "cpu" and tensor.numel() <= CONSTANT_LIMIT
+
+
+_RANDOM: dict[Any, bool] = {}
+
+
+def _random(func: OpOverload) -> bool:
+    random = _RANDOM.get(func)
+    if random is None:
+        random = _RANDOM[func] = torch.Tag.nondeterministic_seeded in func.tags
+    return random
+
+
+def _run_both(
+    mode: ModattrsFakeTensorMode,
+    func: OpOverload,
+    types: Sequence[type],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    constants: list[FakeTensor],
+) -> Any:
+    """``func`` as a fake operation and for real on the constants: the fake results get the real values. Value
+    reads and operations whose output shape depends on values (``item``, ``unique``) fail as fakes and take the
+    real result's value or shape."""
+    dynamic: Exception | None = None
+    with _Hidden(constants):
+        try:
+            result = mode._fake_only(func, types, args, kwargs, _ROUTE.get(func))
+        except (DataDependentOutputException, DynamicOutputShapeException) as error:
+            result, dynamic = None, error
+    fakes = [] if dynamic else _leaves(result)
+    if (
+        dynamic is None
+        and not any(type(f) is FakeTensor and f.numel() <= CONSTANT_LIMIT for f in fakes)
+        and not _views(fakes, constants)
+    ):  # too large to keep (a weight made from a constant): no real run
+        _forget_written(mode, func, args, kwargs, constants)
+        return result
+    try:
+        real = _real_call(func, args, kwargs)
+    except Exception:
+        if dynamic is not None:
+            raise dynamic from None
+        _forget_written(mode, func, args, kwargs, constants)
+        return result
+    if dynamic is not None:
+        return _fakes_of(mode, real, constants[0].device)
+    reals = _leaves(real)
+    if len(reals) != len(fakes):
+        _forget_written(mode, func, args, kwargs, constants)
+        return result
+    held = {_storage(c.constant): c for c in constants if c.constant is not None}
+    for fake, value in zip(fakes, reals, strict=True):
+        if type(fake) is not FakeTensor or not isinstance(value, torch.Tensor) or fake.constant is value:
+            continue  # the last: in place, the real run wrote the constant
+        if value.layout is not torch.strided or fake.device.type == "meta":
+            continue
+        viewed = held.get(_storage(value))
+        if (
+            fake.shape == value.shape
+            and fake.dtype == value.dtype
+            and (viewed is not None or value.numel() <= CONSTANT_LIMIT)
+        ):
+            fake.constant = value
+            if viewed is not None:  # aliases: a write through one that is no constant must make all forget
+                note_constant_alias(mode, viewed)
+                note_constant_alias(mode, fake)
+        elif viewed is not None and viewed.constant is not None:  # a view that cannot hold the values
+            _forget(mode, viewed)
+    return result
+
+
+def _run_forgetting(
+    mode: ModattrsFakeTensorMode,
+    func: Any,
+    types: Sequence[type],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    constants: list[FakeTensor],
+) -> Any:
+    """An operation whose results are no constants (a random one, or one reading tensors without values): the
+    constants it writes, and those its results view, forget their values (a write through a view without values
+    would leave them stale)."""
+    with _Hidden(constants):
+        result = mode._fake_only(func, types, args, kwargs, _ROUTE.get(func))
+    outputs = [leaf for leaf in _leaves(result) if type(leaf) is FakeTensor]
+    written = _written(func, args, kwargs)
+    for fake in constants:
+        if fake.constant is None:
+            continue
+        if id(fake) in written or any(out is not fake and _same_storage(out, fake) for out in outputs):
+            _forget(mode, fake)
+    return result
+
+
+class _Hidden:
+    """Hide constants from torch's fake tensor code while the fake operation runs."""
+
+    __slots__ = ("saved",)
+
+    def __init__(self, constants: list[FakeTensor]) -> None:
+        self.saved = [(fake, fake.constant) for fake in constants]
+
+    def __enter__(self) -> None:
+        for fake, _ in self.saved:
+            fake.constant = None
+
+    def __exit__(self, *exc: object) -> None:
+        for fake, constant in self.saved:
+            if fake.constant is None:
+                fake.constant = constant
+
+
+def _real_call(func: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    """``func`` on the constants' values, on the CPU."""
+    real_args = [_real(value) for value in args]
+    real_kwargs = {name: _real(value) for name, value in kwargs.items()}
+    if real_kwargs.get("pin_memory"):
+        real_kwargs["pin_memory"] = False
+    with outside_modes():
+        return func(*real_args, **real_kwargs)
+
+
+def _real(value: Any) -> Any:
+    if type(value) is FakeTensor:
+        return value.constant
+    if isinstance(value, torch.device):
+        return _CPU
+    if type(value) is list or type(value) is tuple:
+        return type(value)(_real(item) for item in value)
+    return value
+
+
+def _fakes_of(mode: ModattrsFakeTensorMode, real: Any, device: torch.device) -> Any:
+    """Fake tensors on ``device`` for the real results of an operation whose output shapes depend on values."""
+    if isinstance(real, torch.Tensor):
+        with outside_modes():
+            meta = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device="meta")
+        fake = mode._wrap(meta, device)
+        if real.numel() <= CONSTANT_LIMIT:
+            fake.constant = real
+        return fake
+    if type(real) is list or type(real) is tuple:
+        return type(real)(_fakes_of(mode, item, device) for item in real)
+    return real  # a value read: a Python number
+
+
+def _forget_written(
+    mode: ModattrsFakeTensorMode, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], constants: list[FakeTensor]
+) -> None:
+    written = _written(func, args, kwargs)
+    for fake in constants:
+        if id(fake) in written and fake.constant is not None:
+            _forget(mode, fake)
+
+
+def _forget(mode: ModattrsFakeTensorMode, fake: FakeTensor) -> None:
+    forget_constant_aliases(mode, fake)
+
+
+def _written(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> set[int]:
+    """The ids of the tensors ``func`` writes in place (all of them for something that is no aten operation)."""
+    if not isinstance(func, OpOverload):
+        return {id(value) for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)}
+    ids: set[int] = set()
+    for index, name in _written_positions(func):
+        value = args[index] if index < len(args) else kwargs.get(name)
+        if type(value) is list or type(value) is tuple:
+            ids.update(id(item) for item in value)
+        elif value is not None:
+            ids.add(id(value))
+    return ids
+
+
+@functools.cache
+def _written_positions(func: OpOverload) -> tuple[tuple[int, str], ...]:
+    return written_arguments(func)
+
+
+def _leaves(result: Any) -> list[Any]:
+    if type(result) is list or type(result) is tuple:
+        return [leaf for item in result for leaf in _leaves(item)]
+    return [result]
+
+
+def _views(fakes: list[Any], constants: list[FakeTensor]) -> bool:
+    return any(type(f) is FakeTensor and any(_same_storage(f, c) for c in constants) for f in fakes)
+
+
+def _same_storage(one: torch.Tensor, other: torch.Tensor) -> bool:
+    return address_of(one.untyped_storage()) == address_of(other.untyped_storage())
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    # The constant's real storage; a storage of no bytes is shared by nothing that matters.
+    storage = tensor.untyped_storage()
+    return storage.data_ptr() if storage.nbytes() else -id(tensor)
+
+
+# --- what is still refused -------------------------------------------------------------------------------------------
+
+
+class _ClearError:
+    """Mixed into torch's two exceptions: still caught as them (deferred_init's recorder, torch's own callers), with
+    a message saying what needed values, where, and what has values in fake mode."""
+
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class FakeValueError(_ClearError, DataDependentOutputException):
+    """A value read (``.item()``, ``bool()``, ...) of a fake tensor that holds no values."""
+
+
+class FakeShapeError(_ClearError, DynamicOutputShapeException):
+    """An operation whose output shape depends on the values (``nonzero``, ``unique``) of a fake tensor without."""
+
+
+_READS = {"aten._local_scalar_dense.default": ".item(), .tolist(), int(), float(), bool() or an if on a tensor"}
+
+#: What a construction-time constant is, for messages (deferred_init's too).
+CONSTANTS_EXPLAINED = (
+    "Fake tensors keep their values only as construction-time constants: made in fake mode from Python numbers "
+    "(torch.tensor, arange, linspace, full, zeros, ...) and from other constants by operations that draw no random "
+    f"numbers, with at most {CONSTANT_LIMIT} elements, and not written since by anything else (a random fill, a "
+    "parameter, empty)"
+)
+
+
+def _clear(error: Exception, func: Any) -> Exception:
+    name = str(func)
+    what = f"{_READS[name]} ({name})" if name in _READS else name
+    shape = isinstance(error, DynamicOutputShapeException)
+    needs = "the values, which give its output's shape," if shape else "the values"
+    made = (FakeShapeError if shape else FakeValueError)(func)
+    made.message = (
+        f"{what} needs {needs} of a fake tensor that has none ({where()}).\n{CONSTANTS_EXPLAINED}. Compute this "
+        "value from Python numbers, or outside fake mode"
+    )
+    return made

@@ -27,7 +27,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from modattrs import _cuda_guard, _generator, _torch_changes
-from modattrs._fake_tensors import ModattrsFakeTensorMode
+from modattrs._fake_tensors import CONSTANT_LIMIT, ModattrsFakeTensorMode
 from modattrs._names import callable_name, where
 from modattrs._record import Constant, DeferredInitError, Draws, Key, Op, Record, Slot, scratch_arguments
 from modattrs._torch_private import (
@@ -443,8 +443,9 @@ def _needs_values(operation: str) -> DeferredInitError:
         operation = f"{_VALUE_OPERATIONS[operation]} ({operation})"
     if recording_in_this_thread():
         return DeferredInitError(
-            f"{operation} needs the values of fake tensors, which do not exist while deferred_init records "
-            f"({where()}). Values that depend on data cannot be recorded one operation at a time: move this code "
+            f"{operation} needs the values of a fake tensor that is not a construction-time constant (random draw, "
+            f"parameter, empty, or more than {CONSTANT_LIMIT} elements) while deferred_init records ({where()}). "
+            "Values that depend on such data cannot be recorded one operation at a time: move this code "
             "after materialize_module, or record the function doing it as one call with "
             "modattrs.deferred.register_opaque_init"
         )

@@ -160,8 +160,10 @@ def note_constant_alias(mode: FakeTensorMode, fake: FakeTensor) -> None:
     sharing that storage makes it forget too. No public API; checked on 2.8 to 2.15."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
+    assert fake.constant is not None
     converter = mode.fake_tensor_converter
-    refs = converter.constant_storage_mapping.get(StorageWeakRef(fake.constant._typed_storage()))
+    key = StorageWeakRef(fake.constant._typed_storage())  # type: ignore[no-untyped-call]
+    refs = converter.constant_storage_mapping.get(key)
     if refs is None or not any(ref() is fake for ref in refs):
         converter.add_constant_storage_mapping(fake)
 
@@ -174,6 +176,12 @@ def outside_modes() -> contextlib.ExitStack:
     stack.enter_context(torch._C.DisableTorchFunction())
     stack.enter_context(torch._C._DisableTorchDispatch())
     return stack
+
+
+def overloads_of(*packets: Any) -> frozenset[OpOverload]:
+    """Every overload of aten operator packets (``aten.arange``): the packet class and its ``overloads()`` are
+    private. Checked on 2.8 to 2.15."""
+    return frozenset(getattr(packet, name) for packet in packets for name in packet.overloads())
 
 
 def operator_arguments(func: OpOverload) -> tuple[str, ...]:

@@ -1,0 +1,189 @@
+"""Construction-time constants: fake tensors made from Python numbers keep their values in fake mode and while
+deferred_init records, so model code that reads them (stochastic-depth rates from linspace, widths from unique)
+builds as it does eagerly; values of random draws and parameters are still refused, naming the op and the line."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from modattrs._torch_private import DataDependentOutputException, DynamicOutputShapeException
+from modattrs.deferred import DeferredInitError, deferred_init, materialize_module
+from modattrs.fake import fake_mode, is_fake
+
+DEVICES = ["cpu", "cuda"]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> Iterator[str]:
+    name: str = request.param
+    with fake_mode(fake_cuda=name == "cuda"), torch.device(name):
+        yield name
+
+
+def test_reading_a_linspace_gives_its_values_and_the_tensor_stays_fake_on_the_device(device: str) -> None:
+    rates = torch.linspace(0, 0.1, 5)
+    eager = torch.linspace(0, 0.1, 5, device="cpu").tolist()
+
+    assert [r.item() for r in rates] == eager
+    assert rates.tolist() == eager
+    assert is_fake(rates)
+    assert rates.device.type == device
+
+
+def test_int_bool_and_control_flow_on_constants_take_the_eager_branch(device: str) -> None:
+    widths = torch.arange(6).reshape(2, 3) * 2
+
+    assert int(widths[1, 2]) == 10
+    assert bool(widths.sum() > 20)
+    taken = "big" if widths.max() > 5 else "small"
+    assert taken == "big"
+    assert widths.device.type == device
+
+
+def test_unique_and_nonzero_of_constants_give_fakes_of_the_real_shape_on_the_device(device: str) -> None:
+    values, counts = torch.unique(torch.tensor([3, 1, 1, 3, 3]), return_counts=True)
+    where = torch.nonzero(torch.tensor([0, 2, 0, 5]))
+
+    assert (values.tolist(), counts.tolist()) == ([1, 3], [2, 3])
+    assert where.tolist() == [[1], [3]]
+    assert {values.device.type, counts.device.type, where.device.type} == {device}
+    assert is_fake(values)
+    assert is_fake(where)
+
+
+def test_moving_a_constant_to_another_dtype_or_device_keeps_its_values(device: str) -> None:
+    half = torch.arange(3.0).to(torch.float16)
+    on_cpu = torch.arange(3).to("cpu")
+
+    assert (half.dtype, half.device.type, half.tolist()) == (torch.float16, device, [0.0, 1.0, 2.0])
+    assert (on_cpu.device.type, on_cpu.tolist()) == ("cpu", [0, 1, 2])
+
+
+def test_in_place_updates_of_a_constant_and_of_its_views_are_seen_in_its_values(device: str) -> None:
+    table = torch.zeros(4)
+    table[1:3] = torch.tensor([5.0, 6.0])
+    head = table[:1]
+    head.add_(2)
+    table.mul_(torch.full((4,), 3.0))
+
+    assert table.tolist() == [6.0, 15.0, 18.0, 0.0]
+    assert head.tolist() == [6.0]
+
+
+def test_a_random_draw_is_refused_naming_the_op_the_line_and_what_a_constant_is(device: str) -> None:
+    drawn = torch.rand(3)
+
+    with pytest.raises(Exception, match=r"aten._local_scalar_dense.default\) needs the values") as raised:
+        drawn.sum().item()
+
+    message = str(raised.value)
+    assert f"{__file__}:" in message
+    assert "construction-time constants" in message
+    assert "at most 4096 elements" in message
+    assert isinstance(raised.value, DataDependentOutputException)
+
+
+def test_nonzero_of_a_parameter_is_refused_naming_the_op(device: str) -> None:
+    layer = nn.Linear(3, 3)
+
+    with pytest.raises(DynamicOutputShapeException, match=r"aten\.nonzero\.default"):
+        torch.nonzero(layer.weight)
+
+
+def test_a_parameter_made_from_a_constant_holds_no_values(device: str) -> None:
+    scale = nn.Parameter(torch.tensor(2.5))
+
+    with pytest.raises(Exception, match="construction-time constants"):
+        scale.item()
+
+
+def test_a_constant_written_with_random_numbers_or_a_parameter_forgets_its_values_and_its_views_too(
+    device: str,
+) -> None:
+    drawn_into = torch.arange(3.0)
+    view = drawn_into.view(3, 1)
+    view.add_(torch.randn(3, 1))
+    mixed = torch.arange(2.0)
+    mixed.mul_(nn.Parameter(torch.ones(2)))
+    filled = torch.zeros(2)
+    filled.normal_()
+
+    for forgotten in (drawn_into, view, mixed, filled):
+        with pytest.raises(Exception, match="construction-time constants"):
+            forgotten.tolist()
+
+
+def test_constants_are_bounded_to_4096_elements_but_views_of_a_constant_are_not(device: str) -> None:
+    small = torch.arange(4096.0)
+    large = torch.arange(4097.0)
+    wide = torch.ones(3).expand(5000, 3)
+
+    assert small.sum().item() == sum(range(4096))
+    assert wide.sum().item() == 15000.0
+    with pytest.raises(Exception, match="at most 4096 elements"):
+        large.sum().item()
+    with pytest.raises(Exception, match="at most 4096 elements"):
+        torch.arange(10000).sum().item()
+
+
+def test_empty_is_no_constant(device: str) -> None:
+    with pytest.raises(Exception, match="construction-time constants"):
+        torch.empty(3).tolist()
+
+
+def test_on_the_meta_device_values_are_refused_as_outside_fake_mode() -> None:
+    with fake_mode(), pytest.raises(Exception, match=r"meta|values"):
+        torch.arange(3, device="meta").tolist()
+
+
+class _Model(nn.Module):
+    """Reads constants while building, as timm models do (drop-path rates, widths), then draws its weights."""
+
+    def __init__(self, refuse: str = "") -> None:
+        super().__init__()
+        rates = torch.linspace(0, 0.3, 4).tolist()
+        widths = torch.unique(torch.round(torch.arange(6.0) * 1.7)).int().tolist()
+        self.layers = nn.ModuleList(nn.Linear(w, w) for w in widths[1:4])
+        self.scale = nn.Parameter(torch.full((3,), rates[-1]))
+        self.register_buffer("index", torch.arange(4) * 2)
+        self.register_buffer("table", torch.zeros(4))
+        self.table[1:3] = torch.tensor([5.0, 6.0])
+        if int(self.index.sum()) > 3:
+            self.extra = nn.Linear(2, 2)
+        if refuse == "random":
+            int(torch.rand(()) * 3)
+        if refuse == "parameter":
+            self.scale.sum().item()
+        if refuse == "written":
+            self.table.add_(torch.randn(4))
+            self.table.tolist()
+
+
+def test_deferred_init_records_reads_of_constants_and_materializes_bit_identically_with_the_generator_at_its_end() -> (
+    None
+):
+    torch.manual_seed(0)
+    eager = _Model()
+    eager_state = torch.default_generator.get_state()
+    torch.manual_seed(0)
+    deferred = deferred_init(_Model)
+    materialize_module(deferred)
+
+    assert list(deferred.state_dict()) == list(eager.state_dict())
+    assert all(
+        torch.equal(a, b) for a, b in zip(eager.state_dict().values(), deferred.state_dict().values(), strict=True)
+    )
+    assert torch.equal(torch.default_generator.get_state(), eager_state)
+    assert hasattr(deferred, "extra")
+
+
+@pytest.mark.parametrize("refuse", ["random", "parameter", "written"])
+def test_deferred_init_refuses_values_of_random_draws_parameters_and_overwritten_constants(refuse: str) -> None:
+    with pytest.raises(DeferredInitError, match="not a construction-time constant") as raised:
+        deferred_init(_Model, refuse)
+
+    assert f"{__file__}:" in str(raised.value)
