@@ -246,7 +246,10 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         except (DataDependentOutputException, DynamicOutputShapeException) as error:
             if isinstance(error, _ClearError):
                 raise
-            raise _clear(error, func) from None
+            shape = isinstance(error, DynamicOutputShapeException)
+        # Raised outside the handler and held by no local: torch's exception as context, or a cycle through this
+        # frame, would keep alive the views the reading code made (tolist's rows), which materializing refuses.
+        raise _clear(shape, func)
 
     def _wrap(self, meta: torch.Tensor, device: torch.device) -> FakeTensor:
         """``FakeTensor(self, meta, device)`` for a fresh meta tensor, made faster.
@@ -485,7 +488,7 @@ def _run_both(
         try:
             result = mode._fake_only(func, types, args, kwargs, _ROUTE.get(func))
         except (DataDependentOutputException, DynamicOutputShapeException) as error:
-            result, dynamic = None, error
+            result, dynamic = None, error.with_traceback(None)  # no cycle through this frame
     fakes = [] if dynamic else _leaves(result)
     if (
         dynamic is None
@@ -496,9 +499,15 @@ def _run_both(
         return result
     try:
         real = _real_call(func, args, kwargs)
+        failed = False
     except Exception:
+        failed = True
+    if failed:
         if dynamic is not None:
-            raise dynamic from None
+            try:
+                raise dynamic  # outside the handler: the real run's failure is no part of it
+            finally:
+                dynamic = None  # no cycle through this frame
         _forget_written(mode, func, args, kwargs, constants)
         return result
     if dynamic is not None:
@@ -687,10 +696,9 @@ CONSTANTS_EXPLAINED = (
 )
 
 
-def _clear(error: Exception, func: Any) -> Exception:
+def _clear(shape: bool, func: Any) -> Exception:
     name = str(func)
     what = f"{_READS[name]} ({name})" if name in _READS else name
-    shape = isinstance(error, DynamicOutputShapeException)
     needs = "the values, which give its output's shape," if shape else "the values"
     made = (FakeShapeError if shape else FakeValueError)(func)
     made.message = (
