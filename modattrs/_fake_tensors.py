@@ -43,6 +43,8 @@ from modattrs._torch_private import (
     FAKE_DEVICE_ATTRIBUTE,
     NORMALIZES_FAKE_DEVICE_APART,
     DataDependentOutputException,
+    DisableTorchDispatch,
+    DisableTorchFunction,
     DynamicOutputShapeException,
     FakeTensor,
     FakeTensorConfig,
@@ -58,7 +60,6 @@ from modattrs._torch_private import (
     normalize_fake_device,
     note_constant_alias,
     operator_arguments,
-    outside_modes,
     overloads_of,
     retype_converter,
     wrap_meta,
@@ -123,12 +124,13 @@ _UNINITIALIZED = overloads_of(
     aten.resize_, aten.resize_as_, aten.set_,
 )  # fmt: skip
 
-_VALUE_ONLY, _DETACH, _META_FACTORY, _CONSTANT_FACTORY, _LIFT, _DEVICE = range(1, 7)
+_VALUE_ONLY, _DETACH, _META_FACTORY, _VALUED_FACTORY, _CONSTANT_FACTORY, _LIFT, _DEVICE = range(1, 8)
 #: One look-up per operation says which of modattrs' paths it takes (an OpOverload hashes in Python).
 _ROUTE: dict[Any, int] = {
     **dict.fromkeys(_CONSTANT_FACTORIES, _CONSTANT_FACTORY),
     **dict.fromkeys(_VALUE_ONLY_IN_PLACE, _VALUE_ONLY),
     **dict.fromkeys(_FACTORIES, _META_FACTORY),
+    **dict.fromkeys(_VALUED_FACTORIES, _VALUED_FACTORY),
     aten.detach.default: _DETACH,
     torch.ops.prim.device.default: _DEVICE,
     aten.lift_fresh.default: _LIFT,
@@ -204,13 +206,15 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             with first.fake_mode:  # another mode's tensor: its own mode runs the operation
                 return func(*args, **(kwargs or {}))
         route = _ROUTE.get(func)
+        if route is _VALUE_ONLY and _plain_fake(first, self):  # a random fill of a weight: most of a build
+            return first
         if route is _CONSTANT_FACTORY:
             return _factory(self, func, types, args, kwargs or {})
         if route is _LIFT:
             lifted = _lift(self, args)
             if lifted is not None:
                 return lifted
-        elif route is not _DEVICE and route is not _DETACH and route is not _META_FACTORY:
+        elif route is None or route is _VALUE_ONLY:
             constants, unknown = _scan(self, args, kwargs)
             if constants:  # off the hot path: most operations meet no constant
                 kwargs = kwargs or {}
@@ -232,13 +236,14 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             if first.constant is not None:
                 _forget_constant(self, first)
             return self._wrap(call_as_meta(self, func, *args), first.device)
-        if route is _META_FACTORY and kwargs.get("layout") in (None, torch.strided):
+        if (route is _META_FACTORY or route is _VALUED_FACTORY) and kwargs.get("layout") in (None, torch.strided):
             factory = _FACTORIES[func]
             device = torch.device(kwargs.get("device") or "cpu")
             meta = factory(*args, **{**kwargs, "device": "meta", "pin_memory": False})
             fake = self._wrap(meta, device)
-            if func in _VALUED_FACTORIES and device.type != "meta" and meta.numel() <= CONSTANT_LIMIT:
-                with outside_modes():  # ones, zeros, full: the values are known, and small
+            if route is _VALUED_FACTORY and device.type != "meta" and meta.numel() <= CONSTANT_LIMIT:
+                # ones, zeros, full: the values are known, and small
+                with DisableTorchFunction(), DisableTorchDispatch():
                     fake.constant = factory(*args, **{**kwargs, "device": _CPU, "pin_memory": False})
             return fake
         try:
@@ -401,7 +406,7 @@ def _factory(
         fake = mode._fake_only(func, types, args, kwargs, _CONSTANT_FACTORY)
     if type(fake) is not FakeTensor or fake.device.type == "meta" or fake.layout is not torch.strided:
         return fake  # on the meta device values are refused, as outside fake mode
-    with outside_modes():
+    with DisableTorchFunction(), DisableTorchDispatch():
         if fake.numel() > CONSTANT_LIMIT:
             return fake
         real_args = [
@@ -423,7 +428,7 @@ def _lift(mode: ModattrsFakeTensorMode, args: Sequence[Any]) -> FakeTensor | Non
     real = args[0] if len(args) == 1 else None
     if type(real) is not torch.Tensor or real.layout is not torch.strided or not _usable_real(real):
         return None
-    with outside_modes():
+    with DisableTorchFunction(), DisableTorchDispatch():
         constant = real.detach().clone()
         meta = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device="meta")
     fake = mode._wrap(meta, real.device)
@@ -584,7 +589,7 @@ def _real_call(func: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any])
     real_kwargs = {name: _real(value) for name, value in kwargs.items()}
     if real_kwargs.get("pin_memory"):
         real_kwargs["pin_memory"] = False
-    with outside_modes():
+    with DisableTorchFunction(), DisableTorchDispatch():
         return func(*real_args, **real_kwargs)
 
 
@@ -601,7 +606,7 @@ def _real(value: Any) -> Any:
 def _fakes_of(mode: ModattrsFakeTensorMode, real: Any, device: torch.device) -> Any:
     """Fake tensors on ``device`` for the real results of an operation whose output shapes depend on values."""
     if isinstance(real, torch.Tensor):
-        with outside_modes():
+        with DisableTorchFunction(), DisableTorchDispatch():
             meta = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device="meta")
         fake = mode._wrap(meta, device)
         if real.numel() <= CONSTANT_LIMIT:

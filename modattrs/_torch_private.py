@@ -168,14 +168,12 @@ def note_constant_alias(mode: FakeTensorMode, fake: FakeTensor) -> None:
         converter.add_constant_storage_mapping(fake)
 
 
-def outside_modes() -> contextlib.ExitStack:
-    """A block in which torch functions and operations run as plain CPU torch, past every torch function mode (the
-    device context, spoofed CUDA) and dispatch mode: the real half of an operation on constants. ``torch._C``'s
-    guards have no public counterpart (``disable_current_modes`` pops modes, dearer). Checked on 2.8 to 2.15."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch._C.DisableTorchFunction())
-    stack.enter_context(torch._C._DisableTorchDispatch())
-    return stack
+#: Guards for a block in which torch functions and operations run as plain CPU torch, past every torch function mode
+#: (the device context, spoofed CUDA) and dispatch mode: the real half of an operation on constants. ``torch._C``'s
+#: guards have no public counterpart (``disable_current_modes`` pops the modes, several times dearer). Checked on 2.8
+#: to 2.15.
+DisableTorchFunction: Callable[[], Any] = torch._C.DisableTorchFunction
+DisableTorchDispatch: Callable[[], Any] = torch._C._DisableTorchDispatch
 
 
 def overloads_of(*packets: Any) -> frozenset[OpOverload]:
