@@ -55,6 +55,11 @@ def test_unique_and_nonzero_of_constants_give_fakes_of_the_real_shape_on_the_dev
     assert is_fake(where)
 
 
+def test_torch_equal_of_constants_compares_their_values(device: str) -> None:
+    assert torch.equal(torch.arange(3) * 2, torch.tensor([0, 2, 4]))
+    assert not torch.equal(torch.arange(3), torch.tensor([0, 2, 4]))
+
+
 def test_moving_a_constant_to_another_dtype_or_device_keeps_its_values(device: str) -> None:
     half = torch.arange(3.0).to(torch.float16)
     on_cpu = torch.arange(3).to("cpu")
