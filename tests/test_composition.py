@@ -725,6 +725,23 @@ def forms_of(items: list[Tensor], form: str) -> Any:
     }[form]()
 
 
+def takes_dict_inputs(call: str) -> bool:
+    """Whether this torch's ``call`` takes its inputs as a dict (torch 2.8's read the keys; 2.13's take the values)."""
+    w = torch.ones(1, requires_grad=True)
+    try:
+        if call == "autograd.grad":
+            torch.autograd.grad((w * 2).sum(), {"w": w})
+        else:
+            torch.autograd.backward((w * 2).sum(), inputs={"w": w})
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+DICT_INPUTS = {call: takes_dict_inputs(call) for call in ("autograd.backward", "autograd.grad")}
+DICT_INPUTS["Tensor.backward"] = DICT_INPUTS["autograd.backward"]
+
+
 # --- the machine -----------------------------------------------------------------------------------------------------
 
 
@@ -1545,6 +1562,8 @@ class Composition(RuleBasedStateMachine):
         expected = {"w": 2 * w.detach(), "v": torch.full((2,), 3.0)}
         if call == "Tensor.backward":
             outputs = "tensor"  # a method of one output
+        if inputs == "dict" and not DICT_INPUTS[call]:
+            inputs = "list"  # a form this torch does not take, with or without modattrs
         used = [(w * w).sum(), (v * 3).sum()][: 1 if outputs == "tensor" else 2]
         leaves = {"w": w, "v": v} if len(used) == 2 and inputs != "tensor" else {"w": w}
         grads = None if gradients is None else forms_of([torch.ones(()) for _ in used], gradients)
