@@ -135,7 +135,7 @@ class BothReaders(RuleBasedStateMachine):
         # What FSDP2 does to move buffers: the same tensor object, another dtype (or device) inside.
         ref = self.host._buffers[f"_{name.replace(' ', '_')}_ref"]
         assert ref is not None
-        ref.data = torch.empty(0, dtype=dtype, device=ref.device)
+        ref.data = ref.new_empty(0, dtype=dtype)  # of the reference's kind: a fake one's is made in its fake mode
 
     @has_owner
     @rule(name=st.sampled_from(sorted(KINDS)))
