@@ -18,7 +18,7 @@
 #include <structmember.h>
 
 /* Interned names, and what read() needs of torch, set once by the module's init. */
-static PyObject *str_dtype, *str_is_cpu, *str_device, *str_open_scopes, *str_converted;
+static PyObject *str_dtype, *str_is_cpu, *str_device, *str_open_scopes, *str_converted, *str_positions;
 static PyObject *tensor_type; /* torch.Tensor */
 static PyObject *cpu;         /* torch.device("cpu") */
 /* torch.Tensor's dtype, is_cpu and device getters, called directly on tensors of that exact type: what Python's
@@ -204,6 +204,78 @@ static PyObject *read_value(PyObject *Py_UNUSED(module), PyObject *attribute) {
     return value;
 }
 
+/* dispatch_unless_compiling(frame_hook, raw, wrapped, *args, **kwargs): raw(*args, **kwargs) while no dynamo frame
+ * hook is set (frame_hook() is None), else wrapped(*args, **kwargs). See Note [A dispatch entry dynamo cannot see] in
+ * modattrs/_fake_tensors.py: being C, this call starts no Python frame for dynamo to intercept before it decides. */
+static PyObject *dispatch_unless_compiling(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                                           PyObject *kwnames) {
+    if (nargs < 3) {
+        return PyErr_Format(PyExc_TypeError, "dispatch_unless_compiling() takes frame_hook, raw, wrapped, *args");
+    }
+    PyObject *hook = PyObject_CallNoArgs(args[0]);
+    if (hook == NULL) {
+        return NULL;
+    }
+    PyObject *target = hook == Py_None ? args[1] : args[2];
+    Py_DECREF(hook);
+    return PyObject_Vectorcall(target, args + 3, (size_t)(nargs - 3), kwnames);
+}
+
+/* Whether torch may read `value` as a device index: an int that is not a bool, or another object with __index__
+ * that is not a string. Only a filter: the Python method decides for what passes it. */
+static int may_be_index(PyObject *value) {
+    if (PyLong_Check(value)) {
+        return !PyBool_Check(value);
+    }
+    return value != Py_None && !PyUnicode_Check(value) && PyIndex_Check(value);
+}
+
+/* forward_unless_index(python_method, mode, func, types, args, kwargs=None): func(*args, **kwargs) when no argument
+ * that IntDevicesAreCuda rewrites may be an index (kwargs["device"], and args[mode._positions[func]]), else
+ * python_method(mode, func, types, args, kwargs). See modattrs/_spoofed_cuda.py. */
+static PyObject *forward_unless_index(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 5 || nargs > 6 || !PyTuple_Check(args[4])) {
+        return PyErr_Format(PyExc_TypeError,
+                            "forward_unless_index() takes python_method, mode, func, types, a tuple of args, kwargs");
+    }
+    PyObject *mode = args[1], *func = args[2], *call_args = args[4];
+    PyObject *kwargs = nargs == 6 && args[5] != Py_None ? args[5] : NULL;
+    if (kwargs != NULL && !PyDict_Check(kwargs)) {
+        return PyErr_Format(PyExc_TypeError, "forward_unless_index(): kwargs must be a dict or None, got %R", kwargs);
+    }
+    int slow = 0;
+    if (kwargs != NULL) {
+        PyObject *device = PyDict_GetItemWithError(kwargs, str_device);
+        if (device == NULL && PyErr_Occurred()) {
+            return NULL;
+        }
+        slow = device != NULL && may_be_index(device);
+    }
+    if (!slow) {
+        PyObject *positions = PyObject_GetAttr(mode, str_positions);
+        if (positions == NULL) {
+            return NULL;
+        }
+        PyObject *position = PyDict_Check(positions) ? PyDict_GetItemWithError(positions, func) : NULL;
+        if (position != NULL) {
+            Py_ssize_t at = PyLong_AsSsize_t(position);
+            slow = at >= 0 && at < PyTuple_GET_SIZE(call_args) && may_be_index(PyTuple_GET_ITEM(call_args, at));
+        }
+        Py_DECREF(positions);
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    if (slow) {
+        return PyObject_Vectorcall(args[0], args + 1, (size_t)(nargs - 1), NULL);
+    }
+    return PyObject_Call(func, call_args, kwargs);
+}
+
+static PyObject *instance_method(PyObject *Py_UNUSED(module), PyObject *callable) {
+    return PyInstanceMethod_New(callable);
+}
+
 /* The offset of the slot `name` of `cls`, or -1 with an exception set. */
 static Py_ssize_t slot_offset(PyTypeObject *cls, const char *name) {
     PyObject *descriptor = PyObject_GetAttrString((PyObject *)cls, name);
@@ -257,6 +329,16 @@ static PyMethodDef methods[] = {
     {"bind", bind, METH_VARARGS,
      "bind(cls, buffer_table, cache, /)\n--\n\nRead instances of the VirtualTensor class cls: find the slots that "
      "read() reads, and take nn.Module's name for its buffer dictionary and the module modattrs._cache."},
+    {"dispatch_unless_compiling", (PyCFunction)(void (*)(void))dispatch_unless_compiling,
+     METH_FASTCALL | METH_KEYWORDS,
+     "dispatch_unless_compiling(frame_hook, raw, wrapped, /, *args, **kwargs)\n--\n\nraw(*args, **kwargs) if "
+     "frame_hook() is None, else wrapped(*args, **kwargs), without starting a Python frame first."},
+    {"forward_unless_index", (PyCFunction)(void (*)(void))forward_unless_index, METH_FASTCALL,
+     "forward_unless_index(python_method, mode, func, types, args, kwargs=None, /)\n--\n\nfunc(*args, **kwargs) "
+     "if no device argument may be an index, else python_method(mode, func, types, args, kwargs)."},
+    {"instance_method", instance_method, METH_O,
+     "instance_method(callable, /)\n--\n\ncallable made a method: as a class attribute, it is called with the "
+     "instance first, as a function defined in the class is."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -287,7 +369,8 @@ static int intern(PyObject **name, const char *text) {
 
 PyMODINIT_FUNC PyInit__speedups(void) {
     if (intern(&str_dtype, "dtype") || intern(&str_is_cpu, "is_cpu") || intern(&str_device, "device") ||
-        intern(&str_open_scopes, "open_scopes") || intern(&str_converted, "_converted")) {
+        intern(&str_open_scopes, "open_scopes") || intern(&str_converted, "_converted") ||
+        intern(&str_positions, "_positions")) {
         return NULL;
     }
     PyObject *torch = PyImport_ImportModule("torch");

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from modattrs._compiled import speedups
 from modattrs._torch_private import CUDA_DEVICE_EXCHANGES, PARSE_TO_BINDING
 
 __all__ = ["A100", "GPU", "H100", "MAX_DEVICES", "PRESETS"]
@@ -459,6 +460,14 @@ class IntDevicesAreCuda(TorchFunctionMode):
         if position is not None and len(args) > position and _is_index(args[position]):
             args = (*args[:position], _cuda(args[position]), *args[position + 1 :])
         return func(*args, **kwargs)
+
+
+# A torch function mode costs every torch call in the block a round trip through Python. Where the C extension is
+# built, the call enters C first, which forwards it at once unless a device argument may be an index.
+if speedups is not None:  # else, installed without a C compiler: the Python method, for every call
+    IntDevicesAreCuda.__torch_function__ = speedups.instance_method(  # type: ignore[method-assign]
+        functools.partial(speedups.forward_unless_index, IntDevicesAreCuda.__torch_function__)
+    )
 
 
 def _is_index(value: object) -> bool:

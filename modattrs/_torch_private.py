@@ -81,8 +81,8 @@ def active_fake_mode() -> FakeTensorMode | None:
 # --- fake tensors: making them, and the mode's memory of real tensors ------------------------------------------------
 
 
-def call_as_meta(mode: FakeTensorMode, func: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
-    """``func(*args)`` with the mode's fake tensors seen as the meta tensors they are: what torch's
+def call_as_meta(mode: FakeTensorMode, func: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``func(*args, **kwargs)`` with the mode's fake tensors seen as the meta tensors they are: what torch's
     ``in_kernel_invocation_manager`` does, without its generator context manager (a third of a fake detach). No
     public API; checked on 2.8 to 2.15."""
     was_in_kernel = mode.in_kernel_invocation
@@ -90,7 +90,7 @@ def call_as_meta(mode: FakeTensorMode, func: Callable[..., torch.Tensor], *args:
         mode.in_kernel_invocation = True
         torch._C._set_meta_in_tls_dispatch_include(True)
         try:
-            return func(*args)
+            return func(*args, **kwargs)
         finally:
             mode.in_kernel_invocation = was_in_kernel
 
@@ -232,6 +232,8 @@ def written_arguments(func: OpOverload) -> tuple[tuple[int, str], ...]:
 
 #: aten's gamma and Dirichlet samplers, which ``torch.distributions`` draws through: underscore operators.
 #: Checked on 2.8 to 2.15.
+#: The operator behind ``Tensor.to`` when it copies: underscored, yet what every ``.to(device, dtype)`` dispatches.
+TO_COPY: OpOverload = torch.ops.aten._to_copy.default
 STANDARD_GAMMA: OpOverload = torch.ops.aten._standard_gamma.default
 SAMPLE_DIRICHLET: OpOverload = torch.ops.aten._sample_dirichlet.default
 
@@ -416,6 +418,19 @@ CUDA_DEVICE_EXCHANGES = ("_exchange_device", "_maybe_exchange_device")
 #: The binding that parses ``Module.to``'s arguments (:func:`parse_to`), as torch hands it to torch function modes,
 #: which see an int device there before the binding makes it a device. Checked on 2.8 to 2.15.
 PARSE_TO_BINDING: Callable[..., Any] = torch._C._nn._parse_to
+
+
+#: Dynamo's frame hook for this thread: None unless dynamo is compiling or running compiled code (the public
+#: ``torch.compiler.is_compiling()`` is False there). Checked on 2.8 to 2.15.
+dynamo_frame_hook: Callable[[], object] = torch._C._dynamo.eval_frame.get_eval_frame_callback
+
+
+def dispatch_as_written(method: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The ``__torch_dispatch__`` a dispatch mode class wrote, if ``method`` is torch's dynamo "disable" wrapper
+    of it (``TorchDispatchMode.__init_subclass__`` makes one with ``functools.wraps`` on 2.13 and 2.15), else None
+    (2.8 wraps nothing)."""
+    written = getattr(method, "__wrapped__", None)
+    return written if callable(written) and getattr(written, "__name__", None) == "__torch_dispatch__" else None
 
 
 def import_dynamo() -> None:

@@ -14,6 +14,8 @@ from torch import Tensor, nn
 from modattrs import _cache
 from modattrs._attribute import OwnedAttribute, own_attributes, set_persistent
 from modattrs._cache import Cache
+from modattrs._compiled import speedups as _speedups
+from modattrs._compiled import stale_build
 from modattrs._devices import as_device
 from modattrs._names import callable_name
 from modattrs._torch_private import (
@@ -26,12 +28,6 @@ from modattrs._torch_private import (
     submodules_of,
 )
 from modattrs.shaped import ShapedTensor
-
-_speedups: types.ModuleType | None
-try:
-    from modattrs import _speedups
-except ImportError:  # installed without a C compiler: the same reads, in Python
-    _speedups = None
 
 __all__ = ["VirtualTensor", "sync_references"]
 
@@ -517,10 +513,7 @@ if _speedups is not None:
     try:
         _speedups.bind(VirtualTensor, BUFFER_TABLE, _cache)
     except (TypeError, AttributeError) as error:  # a build of another version, left in a checkout
-        raise ImportError(
-            f"{_speedups.__file__} was built from another version of modattrs/_speedups.c; rebuild it: reinstall "
-            "modattrs (pip install -e . in a checkout)"
-        ) from error
+        raise stale_build(_speedups) from error
     _read = _speedups.read
 
 

@@ -698,3 +698,43 @@ def test_a_fake_value_under_another_dispatch_mode_is_still_fake() -> None:
     with FlopCounterMode(display=False):
         value = model.inv_freq.value
     assert is_fake(value)
+
+
+TO_ARGUMENTS: dict[str, dict[str, object]] = {
+    "dtype": {"dtype": torch.float16},
+    "device and dtype": {"device": "cuda", "dtype": torch.float64},
+    "device": {"device": "cuda:1"},
+    "channels last": {"memory_format": torch.channels_last},
+    "contiguous format": {"dtype": torch.float64, "memory_format": torch.contiguous_format},
+    "copy": {"dtype": torch.float32, "copy": True},
+    "int": {"dtype": torch.int64},
+}
+SOURCES: dict[str, Callable[[], Tensor]] = {
+    "contiguous": lambda: torch.empty(2, 3, 4, 5),
+    "transposed": lambda: torch.empty(2, 3, 4, 5).transpose(1, 3),
+    "requiring grad": lambda: torch.empty(2, 3, 4, 5, requires_grad=True),
+    "constant": lambda: torch.arange(120.0).reshape(2, 3, 4, 5),
+}
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("call", TO_ARGUMENTS)
+def test_a_fake_moved_or_cast_with_to_has_the_shape_strides_dtype_grad_and_device_that_torch_gives(
+    source: str, call: str
+) -> None:
+    arguments = TO_ARGUMENTS[call]
+    with torch.device("meta"):
+        expected = SOURCES[source]().to(**{k: v for k, v in arguments.items() if k != "device"})  # type: ignore[call-overload]
+    with fake_mode(fake_cuda=True):
+        got = SOURCES[source]().to(**arguments)  # type: ignore[call-overload]
+        if source == "constant":  # the values are kept
+            assert got.sum().item() == sum(range(120))
+    assert is_fake(got)
+    assert (got.shape, got.stride(), got.dtype, got.requires_grad) == (
+        expected.shape,
+        expected.stride(),
+        expected.dtype,
+        expected.requires_grad,
+    )
+    asked = torch.device(str(arguments.get("device", "cpu")))
+    assert got.device == (torch.device("cuda", 0) if str(asked) == "cuda" else asked)

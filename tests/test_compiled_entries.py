@@ -1,0 +1,124 @@
+"""The C entries of fake mode (``modattrs/_speedups.c``): the fake mode's dispatch entry and the filter in front of
+the torch function mode that makes int devices CUDA devices choose as the Python they stand in front of would.
+
+Both only choose a path; what the paths do is tested with the features (``test_fake.py``, ``test_spoofed_cuda.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from modattrs._compiled import speedups
+from modattrs._fake_tensors import ModattrsFakeTensorMode
+from modattrs._spoofed_cuda import IntDevicesAreCuda
+from modattrs.fake import fake_mode, is_fake
+
+pytestmark = pytest.mark.skipif(speedups is None, reason="modattrs._speedups is not built in this install")
+
+
+def recorder(name: str, calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> Callable[..., str]:
+    def call(*args: Any, **kwargs: Any) -> str:
+        calls.append((name, args, kwargs))
+        return name
+
+    return call
+
+
+@pytest.mark.parametrize(("hook", "expected"), [(None, "raw"), (object(), "wrapped"), (False, "wrapped")])
+def test_the_dispatch_entry_calls_the_method_as_written_only_while_no_dynamo_frame_hook_is_set(
+    hook: object, expected: str
+) -> None:
+    assert speedups is not None
+    calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+    result = speedups.dispatch_unless_compiling(
+        lambda: hook, recorder("raw", calls), recorder("wrapped", calls), "mode", "func", key="value"
+    )
+    assert result == expected
+    assert calls == [(expected, ("mode", "func"), {"key": "value"})]
+
+
+def test_the_dispatch_entry_passes_on_an_error_of_the_hook_and_calls_neither_method() -> None:
+    assert speedups is not None
+    calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    def broken_hook() -> object:
+        raise LookupError("no hook")
+
+    with pytest.raises(LookupError, match="no hook"):
+        speedups.dispatch_unless_compiling(broken_hook, recorder("raw", calls), recorder("wrapped", calls))
+    assert calls == []
+
+
+def test_the_fake_modes_dispatch_goes_through_torchs_dynamo_wrapper_exactly_when_torch_wraps_it() -> None:
+    entry = vars(ModattrsFakeTensorMode)["__torch_dispatch__"]
+    torch_wraps = hasattr(vars(torch._subclasses.fake_tensor.FakeTensorMode)["__torch_dispatch__"], "__wrapped__")
+    assert (type(entry).__name__ == "instancemethod") == torch_wraps
+    with fake_mode():
+        assert is_fake(torch.ones(2) + 1)
+
+
+def same_position(mode: IntDevicesAreCuda, func: object, stand_in: object) -> None:
+    """Give ``stand_in`` the device argument position the mode reads for ``func``."""
+    position = mode._positions.get(func)
+    if position is not None:
+        mode._positions[stand_in] = position
+
+
+def python_rewrites(
+    mode: IntDevicesAreCuda, func: object, args: tuple[Any, ...], kwargs: dict[str, Any] | None
+) -> bool:
+    """Whether the Python method gives the call other arguments: what the C filter must send to it."""
+    seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def spy(*given: Any, **given_kwargs: Any) -> None:
+        seen.append((given, given_kwargs))
+
+    same_position(mode, func, spy)
+    python_method = vars(IntDevicesAreCuda)["__torch_function__"].__func__.args[0]
+    python_method(mode, spy, (), args, kwargs)
+    return seen != [(args, kwargs or {})]
+
+
+DEVICE_VALUES: list[object] = [
+    0, 3, -1, True, False, None, "cuda", "cuda:1", torch.device("cuda", 0), torch.device("cpu"), np.int64(2),
+    torch.tensor(1), 2.0,
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", DEVICE_VALUES, ids=repr)
+@pytest.mark.parametrize("where", ["keyword", "position 1 of Tensor.to", "position 1 elsewhere"])
+def test_the_int_device_filter_hands_the_python_method_every_call_that_method_would_rewrite(
+    value: object, where: str
+) -> None:
+    assert speedups is not None
+    mode = IntDevicesAreCuda()
+    func: Any = torch.Tensor.to if where == "position 1 of Tensor.to" else torch.ones
+    args: tuple[Any, ...] = (1,) if where == "keyword" else (torch.zeros(1), value)
+    kwargs = {"device": value} if where == "keyword" else None
+    calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+    forward, python = recorder("forward", calls), recorder("python", calls)
+    same_position(mode, func, forward)
+
+    chosen = speedups.forward_unless_index(python, mode, forward, (), args, kwargs)
+
+    if python_rewrites(mode, func, args, kwargs):
+        assert chosen == "python"  # the filter may send more calls to Python, never fewer
+    if chosen == "forward":
+        assert calls == [("forward", args, kwargs or {})]
+    else:
+        assert calls == [("python", (mode, forward, (), args, kwargs), {})]
+
+
+def test_the_int_device_filter_forwards_calls_without_keywords_as_torch_passes_them() -> None:
+    assert speedups is not None
+    calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+    chosen = speedups.forward_unless_index(
+        recorder("python", calls), IntDevicesAreCuda(), recorder("forward", calls), (), (1, 2)
+    )
+    assert chosen == "forward"
+    assert calls == [("forward", (1, 2), {})]
