@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from modattrs import _generator
+from modattrs._deferred import generator
 from modattrs.deferred import _roots, deferred_init, materialize_module
 
 LLAMA = LlamaConfig(
@@ -88,18 +88,18 @@ def remembered_peak(flow: Callable[[nn.Module], None], model: nn.Module) -> int:
     """The most memory remembered generator states took at any point of ``flow``."""
     record = _roots[model].record
     peak = 0
-    original = _generator.Walk.finish
+    original = generator.Walk.finish
 
-    def finish(walk: _generator.Walk) -> None:
+    def finish(walk: generator.Walk) -> None:
         nonlocal peak
         original(walk)
-        peak = max(peak, _generator.remembered_bytes(record))
+        peak = max(peak, generator.remembered_bytes(record))
 
-    _generator.Walk.finish = finish  # type: ignore[method-assign]
+    generator.Walk.finish = finish  # type: ignore[method-assign]
     try:
         flow(model)
     finally:
-        _generator.Walk.finish = original  # type: ignore[method-assign]
+        generator.Walk.finish = original  # type: ignore[method-assign]
     return peak
 
 

@@ -1,5 +1,5 @@
 """``python -m modattrs``: see ``python -m modattrs inspect --help``."""
 
-from modattrs._cli import main
+from modattrs._cli.commands import main
 
 raise SystemExit(main())

@@ -20,7 +20,7 @@ import keyword
 import threading
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
@@ -38,6 +38,16 @@ from modattrs._torch_private import (
 
 __all__: list[str] = []
 
+AttributeT = TypeVar("AttributeT", bound="OwnedAttribute")
+
+
+class _Constructor:
+    """``Kind.create``: the class itself, so ``Kind.create(...)`` takes exactly the constructor's arguments (a
+    hand-written copy of its signature would drift from it) and returns what ``Kind(...)`` returns."""
+
+    def __get__(self, instance: object, owner: type[AttributeT]) -> type[AttributeT]:
+        return owner
+
 
 class OwnedAttribute:
     """Base of the attributes that a module owns through its ``__dict__``."""
@@ -49,6 +59,9 @@ class OwnedAttribute:
     #: Suffixes of ``state_dict`` keys it adds without registering anything: names it needs free at creation, and
     #: never removes (a tensor registered under one later is somebody else's).
     _key_suffixes: ClassVar[tuple[str, ...]] = ()
+
+    #: Create the attribute on its owner and return it: the same as calling the class.
+    create = _Constructor()
 
     _owner_ref: weakref.ref[nn.Module]
     _name: str
@@ -64,6 +77,10 @@ class OwnedAttribute:
         """Whether ``tensor``, found under one of this kind's derived names, can be what the attribute registered
         there, as opposed to somebody else's tensor registered under that name later."""
         return True
+
+    def dependency_hint(self) -> str:
+        """What a ``depends_on`` that names this attribute should name instead, for its error message."""
+        return "name the tensors its materializer reads"
 
     @classmethod
     def _derived(cls, name: str) -> tuple[str, ...]:

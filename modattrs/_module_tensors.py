@@ -1,4 +1,5 @@
-"""The tensors a module holds, walked once for everything that needs them: ``fake_copy`` and deferred init."""
+"""The tensors a module holds, walked once for everything that needs them (``fake_copy`` and deferred init), and
+tensors made to take another's place."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from modattrs._torch_private import TABLE_NAMES, buffers_of, parameters_of
+from modattrs._torch_private import TABLE_NAMES, FakeTensor, buffers_of, parameters_of, torch_tensor_fields
 
 __all__: list[str] = []
 
@@ -34,15 +35,15 @@ def own_tensors(module: nn.Module, prefix: str = "", *, buffers_only: bool = Fal
     if not buffers_only:
         for name, parameter in parameters_of(module).items():
             if parameter is not None:
-                yield HeldTensor("parameter", _join(prefix, name), module, parameter)
+                yield HeldTensor("parameter", join(prefix, name), module, parameter)
     for name, buffer in buffers_of(module).items():
         if buffer is not None:
-            yield HeldTensor("buffer", _join(prefix, name), module, buffer)
+            yield HeldTensor("buffer", join(prefix, name), module, buffer)
     for name, value in vars(module).items():
         if name in TABLE_NAMES:
             continue
         for path, tensor in _tensors_in(value, name, set()):
-            yield HeldTensor("tensor attribute", _join(prefix, path), module, tensor)
+            yield HeldTensor("tensor attribute", join(prefix, path), module, tensor)
 
 
 def all_tensors(module: nn.Module) -> Iterator[HeldTensor]:
@@ -61,5 +62,24 @@ def _tensors_in(value: object, path: str, seen: set[int]) -> Iterator[tuple[str,
             yield from _tensors_in(item, f"{path}[{key!r}]", seen)
 
 
-def _join(prefix: str, name: str) -> str:
+def join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
+
+
+def user_attributes(tensor: torch.Tensor) -> dict[str, object]:
+    """The Python attributes a user set on ``tensor`` (a ``no_decay`` flag, say), without those torch keeps in its
+    ``__dict__``: copied onto another tensor, a fake tensor's mode and device would give it the old one's."""
+    internal = torch_tensor_fields()
+    return {name: value for name, value in vars(tensor).items() if name not in internal}
+
+
+def parameter_like(data: torch.Tensor, old: torch.Tensor) -> nn.Parameter:
+    """A parameter of ``data`` that takes the place of ``old``: its ``requires_grad`` and its user attributes."""
+    parameter = nn.Parameter(data, requires_grad=old.requires_grad)
+    vars(parameter).update(user_attributes(old))
+    return parameter
+
+
+def without_data(tensor: object) -> bool:
+    """Whether ``tensor`` is a tensor with a device and no data there: on the meta device, or fake."""
+    return isinstance(tensor, torch.Tensor) and (tensor.is_meta or isinstance(tensor, FakeTensor))

@@ -206,7 +206,7 @@ static PyObject *read_value(PyObject *Py_UNUSED(module), PyObject *attribute) {
 
 /* dispatch_unless_compiling(frame_hook, raw, wrapped, *args, **kwargs): raw(*args, **kwargs) while no dynamo frame
  * hook is set (frame_hook() is None), else wrapped(*args, **kwargs). See Note [A dispatch entry dynamo cannot see] in
- * modattrs/_fake_tensors.py: being C, this call starts no Python frame for dynamo to intercept before it decides. */
+ * modattrs/_fake/mode.py: being C, this call starts no Python frame for dynamo to intercept before it decides. */
 static PyObject *dispatch_unless_compiling(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
                                            PyObject *kwnames) {
     if (nargs < 3) {
@@ -232,7 +232,7 @@ static int may_be_index(PyObject *value) {
 
 /* forward_unless_index(python_method, mode, func, types, args, kwargs=None): func(*args, **kwargs) when no argument
  * that IntDevicesAreCuda rewrites may be an index (kwargs["device"], and args[mode._positions[func]]), else
- * python_method(mode, func, types, args, kwargs). See modattrs/_spoofed_cuda.py. */
+ * python_method(mode, func, types, args, kwargs). See modattrs/_fake/spoofed_cuda.py. */
 static PyObject *forward_unless_index(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 5 || nargs > 6 || !PyTuple_Check(args[4])) {
         return PyErr_Format(PyExc_TypeError,

@@ -12,7 +12,12 @@ def dispatch_unless_compiling(
     frame_hook: Callable[[], object], raw: Callable[..., Any], wrapped: Callable[..., Any], /, *args: Any, **kwargs: Any
 ) -> Any: ...
 def forward_unless_index(
-    python_method: Callable[..., Any], mode: object, func: Callable[..., Any], types: object, args: tuple[Any, ...],
-    kwargs: dict[str, Any] | None = None, /
+    python_method: Callable[..., Any],
+    mode: object,
+    func: Callable[..., Any],
+    types: object,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    /,
 ) -> Any: ...
 def instance_method(callable: Callable[..., Any], /) -> Any: ...

@@ -2,10 +2,13 @@
 
 Importing modattrs changes nothing. The first use of fake mode or deferred initialization (``fake_mode``,
 ``fake_copy``, ``deferred_init``) calls :func:`install`, which makes the *base* changes, all of them, in the order
-of its body, whichever feature came first; the first use of fake CUDA calls :func:`install_fake_cuda`, which makes
-the base changes and then the fake CUDA ones (fewer on a machine with a GPU). So a process ends in the same
-state whatever order its features were first used in. ``docs/torch_changes.rst`` lists the changes for users;
-:func:`undo` puts back what can be put back, for tests.
+of its body, whichever feature came first; the first ``deferred_init`` calls :func:`install_deferred`, which makes
+them and then the generator change that only deferred initialization needs; the first use of fake CUDA calls
+:func:`install_fake_cuda`, which makes the base changes and then the fake CUDA ones (fewer on a machine with a
+GPU). Each group is made after the base one and touches nothing another group touches, so a process ends in the
+same state whatever order its features were first used in. The engines (``_fake``, ``_deferred``) change nothing
+themselves: the public faces call these functions, and pass :func:`install_fake_cuda` to the recorder.
+``docs/torch_changes.rst`` lists the changes for users; :func:`undo` puts back what can be put back, for tests.
 
 Replacements are made at install time, around whatever the attribute holds then (``functools.wraps``, so each
 keeps ``__wrapped__``), and each remembers what it replaced, so :func:`undo` restores exactly that.
@@ -24,8 +27,9 @@ from typing import Any, cast
 
 import torch
 
-from modattrs import _cuda_guard, _fake_backward, _generator, _spoofed_cuda
-from modattrs._fake_tensors import ModattrsFakeTensorMode
+from modattrs._deferred import generator
+from modattrs._fake import backward, cuda_guard, spoofed_cuda
+from modattrs._fake.mode import ModattrsFakeTensorMode
 from modattrs._torch_private import (
     ENGINE_ENTRY,
     ENGINE_ENTRY_OWNERS,
@@ -56,13 +60,14 @@ class _Replaced:
 
 _lock = threading.RLock()
 _base = False  # install() done
+_deferred_installed = False  # install_deferred() done
 _fake_cuda_installed = False
 _replaced: list[_Replaced] = []  # in the order made
 _filters: list[Any] = []  # the entries added to warnings.filters
 
 
 def install() -> None:
-    """Make the base changes, once; every ``fake_mode`` entry and ``deferred_init`` call comes here."""
+    """Make the base changes (1, 2, 3, 5), once; every ``fake_mode`` entry and ``deferred_init`` call comes here."""
     global _base
     if _base:  # no lock once done
         return
@@ -89,20 +94,32 @@ def install() -> None:
         module = sys.modules[helper.__wrapped__.__module__]
         if getattr(module, TRUNC_NORMAL_WARNINGS, None) is warnings:
             _replace_by(module, TRUNC_NORMAL_WARNINGS, _WarningsSkipping(helper.__code__))
-        # 4. Fake tensors draw nothing, so deferred_init keeps track of where eager code would have the default
-        #    CPU generator (see _generator); a reseed or a state put back must be seen, also one that sets the state
-        #    the generator already has. Both names of each function are wrapped.
-        for name, wrap in (
-            ("manual_seed", _generator.seeding),
-            ("set_rng_state", _generator.restoring),
-            ("get_rng_state", _generator.saving),
-        ):
-            _replace_under_both_names(name, wrap)
         # 5. Tensor.numpy detaches its tensor first, and inside a fake mode that detach makes a fake of a real
         #    tensor, whose memory numpy then reads: real.numpy() and np.asarray(real) gave garbage, silently. Inside
         #    modattrs' fake modes a real tensor's numpy() runs outside them and returns its data, as tolist() does.
         _replace(torch.Tensor, "numpy", _numpy_of_real_tensors)
         _base = True
+
+
+def install_deferred() -> None:
+    """Make the base changes, then change 4, once; every ``deferred_init`` call comes here."""
+    global _deferred_installed
+    install()
+    if _deferred_installed:  # no lock once done
+        return
+    with _lock:
+        if _deferred_installed:
+            return
+        # 4. Fake tensors draw nothing, so deferred_init keeps track of where eager code would have the default
+        #    CPU generator (see generator); a reseed or a state put back must be seen, also one that sets the state
+        #    the generator already has. Both names of each function are wrapped.
+        for name, wrap in (
+            ("manual_seed", generator.seeding),
+            ("set_rng_state", generator.restoring),
+            ("get_rng_state", generator.saving),
+        ):
+            _replace_under_both_names(name, wrap)
+        _deferred_installed = True
 
 
 def install_fake_cuda() -> None:
@@ -117,29 +134,29 @@ def install_fake_cuda() -> None:
     # 6. Some Python bindings and the autograd engine build a device guard for fake CUDA tensors too, and a build of
     #    torch without CUDA has none: torch's own FakeGuardImpl is compiled and registered. A CUDA build without a
     #    GPU has its guard, but its bindings fail to initialize CUDA before moving a tensor there: they are made to
-    #    count CUDA as initialized. Neither can be undone. See _cuda_guard.
-    _cuda_guard.require()
+    #    count CUDA as initialized. Neither can be undone. See cuda_guard.
+    cuda_guard.require()
     if _fake_cuda_installed:
         return
     with _lock:
         if _fake_cuda_installed:
             return
-        if not _cuda_guard.gpu_present():
+        if not cuda_guard.gpu_present():
             # 7. torch's autograd engine needs a real GPU for CUDA gradients: backward passes over spoofed-CUDA fakes
-            #    are simulated (see _fake_backward); everything else is torch's own. The engine's entry is replaced,
+            #    are simulated (see _fake.backward); everything else is torch's own. The engine's entry is replaced,
             #    under both its names, not torch.autograd.backward and grad: they take their arguments as torch does
             #    (generators too) and warn at the caller's line, and a copy imported by name is covered.
-            _replace_under_both_names(ENGINE_ENTRY, _fake_backward.simulating_engine, ENGINE_ENTRY_OWNERS)
-            if _cuda_guard.attention_needs_the_driver():
+            _replace_under_both_names(ENGINE_ENTRY, backward.simulating_engine, ENGINE_ENTRY_OWNERS)
+            if cuda_guard.attention_needs_the_driver():
                 # 7b. On a CUDA build whose scaled_dot_product_attention asks the driver which kernel to use
                 #     (torch 2.8), spoofed-CUDA fakes take torch's math kernel, its own fallback; everything else
                 #     is torch's own. torch's flags to force that kernel are process-wide, so they are not used.
                 _replace(torch.nn.functional, "scaled_dot_product_attention", _math_attention_for_spoofed_cuda)
         # 8. Model code asks torch.cuda about the GPU (transformers' MoE layers ask its capability to choose a
         #    kernel): inside fake_mode(fake_cuda=True) blocks, nine of its functions answer as the spoofed GPU, in the
-        #    block's thread only; everywhere else they are torch's own (see _spoofed_cuda).
-        for name in _spoofed_cuda.ANSWERS:
-            _replace(torch.cuda, name, _spoofed_cuda.answering(name))
+        #    block's thread only; everywhere else they are torch's own (see _fake.spoofed_cuda).
+        for name in spoofed_cuda.ANSWERS:
+            _replace(torch.cuda, name, spoofed_cuda.answering(name))
         _fake_cuda_installed = True
 
 
@@ -150,7 +167,7 @@ def undo() -> None:
     initialization for the bindings of a CUDA build without a GPU: fake CUDA keeps working after
     ``install_fake_cuda``, with torch's autograd engine.
     """
-    global _base, _fake_cuda_installed
+    global _base, _deferred_installed, _fake_cuda_installed
     with _lock:
         while _replaced:
             replaced = _replaced.pop()
@@ -164,7 +181,7 @@ def undo() -> None:
         mutated = getattr(warnings, "_filters_mutated", None)  # private: makes warnings read its filters again
         if mutated is not None:
             mutated()
-        _base = _fake_cuda_installed = False
+        _base = _deferred_installed = _fake_cuda_installed = False
 
 
 def _replace(owner: object, name: str, wrap: Wrap) -> None:

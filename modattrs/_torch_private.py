@@ -8,7 +8,7 @@ with a comment that says what public API is missing and the torch releases it wa
 
 "Checked on 2.8 to 2.15" means 2.8.0, 2.13.0 and 2.15.0, the builds of the CI matrix when this was written.
 
-Not names, but torch internals all the same: ``_fake_tensors.ModattrsFakeTensorMode`` subclasses FakeTensorMode and
+Not names, but torch internals all the same: ``_fake.mode.ModattrsFakeTensorMode`` subclasses FakeTensorMode and
 overrides its ``avoid_device_init`` property, and ``_torch_changes`` replaces functions of ``torch.nn.init``,
 ``torch.autograd``, ``torch.random`` and ``torch.cuda`` (each listed in ``docs/torch_changes.rst``).
 """
@@ -16,6 +16,7 @@ overrides its ``avoid_device_init`` property, and ``_torch_changes`` replaces fu
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -394,6 +395,21 @@ def gradient_metadata(node: Any) -> Sequence[Any]:
     return metadata
 
 
+def is_reentrant_checkpoint(node: object) -> bool:
+    """Whether an autograd graph node is the one ``torch.utils.checkpoint(..., use_reentrant=True)`` puts in the
+    graph. Its class is made in C++ for the private ``CheckpointFunction``, and no public API identifies it: its
+    name does. Checked on 2.8 to 2.15."""
+    return type(node).__name__ == "CheckpointFunctionBackward"
+
+
+def imported_dtensor_type() -> type[torch.Tensor] | None:
+    """``DTensor``, if ``torch.distributed.tensor`` was imported (no DTensor can exist otherwise, and importing it
+    is slow): looked up by name in the imported module. Checked on 2.8 to 2.15."""
+    module = sys.modules.get("torch.distributed.tensor")
+    found: type[torch.Tensor] | None = getattr(module, "DTensor", None) if module is not None else None
+    return found
+
+
 # --- CUDA ------------------------------------------------------------------------------------------------------------
 
 
@@ -431,6 +447,17 @@ def dispatch_as_written(method: Callable[..., Any]) -> Callable[..., Any] | None
     (2.8 wraps nothing)."""
     written = getattr(method, "__wrapped__", None)
     return written if callable(written) and getattr(written, "__name__", None) == "__torch_dispatch__" else None
+
+
+@functools.cache
+def torch_tensor_fields() -> frozenset[str]:
+    """The names torch keeps in the ``__dict__`` of a fake tensor and of a parameter made of one (its mode, its
+    device, the parameter flag and more), as opposed to attributes a user sets. No public API lists them: they are
+    found by making one. Checked on 2.8 to 2.15."""
+    with disable_current_modes():
+        fake = FakeTensor(FakeTensorMode(), torch.empty(1, device="meta"), torch.device("cpu"))
+        parameter = nn.Parameter(fake)
+    return frozenset(vars(fake)) | frozenset(vars(parameter))
 
 
 def import_dynamo() -> None:

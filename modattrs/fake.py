@@ -18,11 +18,12 @@ from typing import TypeVar
 import torch
 from torch import Tensor, nn
 
-from modattrs import _spoofed_cuda, _torch_changes
+from modattrs import _torch_changes
 from modattrs._devices import as_device
-from modattrs._fake_tensors import ModattrsFakeTensorMode, check_device, parameter_like
-from modattrs._module_tensors import all_tensors
-from modattrs._spoofed_cuda import A100, GPU, H100
+from modattrs._fake import spoofed_cuda
+from modattrs._fake.mode import FakeShapeError, FakeValueError, ModattrsFakeTensorMode, check_device
+from modattrs._fake.spoofed_cuda import A100, GPU, H100
+from modattrs._module_tensors import all_tensors, parameter_like
 from modattrs._torch_private import (
     FakeTensor,
     FakeTensorMode,
@@ -31,7 +32,7 @@ from modattrs._torch_private import (
     unset_fake_temporarily,
 )
 
-__all__ = ["A100", "GPU", "H100", "fake_copy", "fake_mode", "is_fake", "meta_like"]
+__all__ = ["A100", "GPU", "H100", "FakeShapeError", "FakeValueError", "fake_copy", "fake_mode", "is_fake", "meta_like"]
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -77,8 +78,8 @@ def fake_mode(
         raise ValueError(
             "fake_mode: gpu= and device_count= choose the GPU that spoofed CUDA describes; pass fake_cuda=True too"
         )
-    spoof = _spoofed_cuda.check(
-        H100 if gpu is None else gpu, _spoofed_cuda.MAX_DEVICES if device_count is None else device_count
+    spoof = spoofed_cuda.check(
+        H100 if gpu is None else gpu, spoofed_cuda.MAX_DEVICES if device_count is None else device_count
     )
     if fake_cuda:
         _torch_changes.install_fake_cuda()
@@ -86,7 +87,7 @@ def fake_mode(
         _torch_changes.install()
     mode = ModattrsFakeTensorMode()
     try:
-        with mode, _spoofed_cuda.spoofing(spoof) if fake_cuda else contextlib.nullcontext():
+        with mode, spoofed_cuda.spoofing(spoof) if fake_cuda else contextlib.nullcontext():
             yield mode
     finally:
         forget_real_tensors(mode)
@@ -153,3 +154,8 @@ def _fake_of(mode: FakeTensorMode, name: str, tensor: Tensor, device: torch.devi
 def _active_mode() -> ModattrsFakeTensorMode | None:
     mode = active_fake_mode()
     return mode if isinstance(mode, ModattrsFakeTensorMode) else None
+
+
+# Names defined in the engine say where users import them: in tracebacks, reprs, pickles and the docs.
+for _public in (GPU, FakeValueError, FakeShapeError):
+    _public.__module__ = __name__

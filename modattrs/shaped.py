@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import increment_version
 
 from modattrs._attribute import OwnedAttribute, set_persistent, stored_tensor
-from modattrs._fake_tensors import parameter_like
+from modattrs._module_tensors import parameter_like, without_data
 from modattrs._torch_private import FakeTensor, buffers_of, non_persistent_buffers_of, parameters_of
 
 __all__ = ["ShapedTensor"]
@@ -110,21 +110,6 @@ class ShapedTensor(OwnedAttribute):
             self._attach(owner, lambda: owner.register_parameter(self._data_name, value))  # type: ignore[arg-type]
         else:
             self._attach(owner, lambda: owner.register_buffer(self._data_name, value, persistent=bool(persist_data)))
-
-    @classmethod
-    def create(
-        cls,
-        owner: nn.Module,
-        name: str,
-        value: Tensor | None,
-        constraints: Mapping[int, int] | None = None,
-        persist_data: bool = True,
-        persist_constraints: bool = False,
-        strict: bool = True,
-        live: bool = False,
-    ) -> ShapedTensor:
-        """Create a :class:`ShapedTensor` on ``owner`` and return it; the same as calling the class."""
-        return cls(owner, name, value, constraints, persist_data, persist_constraints, strict, live)
 
     @property
     def attributes(self) -> ShapedTensorAttributes:
@@ -232,6 +217,9 @@ class ShapedTensor(OwnedAttribute):
         with self._lock:
             self._live_owner()
             self._persist_constraints = bool(persist)
+
+    def dependency_hint(self) -> str:
+        return f"name its data, {self.attributes.data!r}"
 
     def compatible(self, tensor: Tensor) -> bool:
         """Whether ``tensor``'s shape satisfies the constraints (ignored values are not special here)."""
@@ -379,7 +367,7 @@ class ShapedTensor(OwnedAttribute):
         loaded = state_dict.get(data_key) if persistent else None
         if not isinstance(loaded, Tensor) and constraints is self._constraints:
             return  # nothing of this attribute changes: its current data is not this load's business
-        if isinstance(loaded, Tensor) and _without_values(loaded) and not assign and not _without_values(current):
+        if isinstance(loaded, Tensor) and without_data(loaded) and not assign and not without_data(current):
             # torch cannot copy it, and would fail after the constraints were taken: refuse it first.
             error_msgs.append(
                 f"{data_key}: cannot load the saved data: it has no values ({_where(loaded)}) to copy into the "
@@ -439,18 +427,13 @@ def _occupied_by_tensor(owner: nn.Module, name: str) -> bool:
     return name in buffers_of(owner) or name in parameters_of(owner)
 
 
-def _without_values(tensor: object) -> bool:
-    """Whether ``tensor`` is one without values: on the meta device, or fake."""
-    return isinstance(tensor, Tensor) and (tensor.is_meta or isinstance(tensor, FakeTensor))
-
-
 def _where(tensor: Tensor) -> str:
     return "fake" if isinstance(tensor, FakeTensor) else f"on {tensor.device}"
 
 
 def _readable(saved: object) -> bool:
     """Whether saved constraints have values."""
-    return not _without_values(saved)
+    return not without_data(saved)
 
 
 def _ignored(value: Tensor | None) -> bool:

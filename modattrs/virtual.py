@@ -17,6 +17,7 @@ from modattrs._cache import Cache
 from modattrs._compiled import speedups as _speedups
 from modattrs._compiled import stale_build
 from modattrs._devices import as_device
+from modattrs._module_tensors import without_data
 from modattrs._names import callable_name
 from modattrs._torch_private import (
     BUFFER_TABLE,
@@ -27,7 +28,6 @@ from modattrs._torch_private import (
     parse_to,
     submodules_of,
 )
-from modattrs.shaped import ShapedTensor
 
 __all__ = ["VirtualTensor", "sync_references"]
 
@@ -150,35 +150,6 @@ class VirtualTensor(OwnedAttribute):
         self._ref_name = ref_name
         self._ref_seen = self._plain_ref = None
         self._attach(owner, lambda: owner.register_buffer(ref_name, ref, persistent=bool(persist)))
-
-    @classmethod
-    def create(
-        cls,
-        owner: nn.Module,
-        name: str,
-        materializer: str | Materializer,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | int | None = None,
-        persist: bool = False,
-        *,
-        follow_dtype: bool | None = None,
-        dtype_from: str | None = None,
-        cache: bool = False,
-        depends_on: Sequence[str] = (),
-    ) -> VirtualTensor:
-        """Create a :class:`VirtualTensor` on ``owner`` and return it; the same as calling the class."""
-        return cls(
-            owner,
-            name,
-            materializer,
-            dtype,
-            device,
-            persist,
-            follow_dtype=follow_dtype,
-            dtype_from=dtype_from,
-            cache=cache,
-            depends_on=depends_on,
-        )
 
     @classmethod
     def _registers(cls, tensor: Tensor | None) -> bool:
@@ -459,7 +430,7 @@ class VirtualTensor(OwnedAttribute):
         if ref is None or ref.numel():
             return
         follows = self._dtype is None
-        elsewhere = _without_data(ref)
+        elsewhere = without_data(ref)
         if not elsewhere and not (follows and not _can_follow(ref.dtype)):
             return
         loaded = _first_real_floating_tensor(owner)
@@ -583,12 +554,9 @@ def _check_depends_on(owner: nn.Module, name: str, depends_on: object) -> tuple[
             )
         attribute = owner.__dict__.get(dependency)
         if isinstance(attribute, OwnedAttribute):  # the same object whatever its value does: never a change
-            hint = "name the tensors its materializer reads"
-            if isinstance(attribute, ShapedTensor):
-                hint = f"name its data, {attribute.attributes.data!r}"
             raise ValueError(
                 f"VirtualTensor {name!r}: depends_on names {dependency!r}, a {type(attribute).__name__}, which stays "
-                f"the same object when its value changes; {hint}"
+                f"the same object when its value changes; {attribute.dependency_hint()}"
             )
     return tuple(depends_on)
 
@@ -692,7 +660,7 @@ def _holding_real_data(module: nn.Module) -> Iterator[tuple[nn.Module, bool]]:
         real = fake = False
         for tensor in itertools.chain(parameters_of(node).values(), buffers_of(node).values()):
             if tensor is not None and tensor.is_floating_point() and tensor.numel():
-                if _without_data(tensor):
+                if without_data(tensor):
                     fake = True
                 else:
                     real = True
@@ -718,14 +686,9 @@ def _first_real_floating_tensor(module: nn.Module) -> Tensor | None:
     """The first floating-point tensor with data of ``module`` (neither meta nor fake): parameters first (its own,
     then its children's), then buffers."""
     for tensor in itertools.chain(module.parameters(), module.buffers()):
-        if tensor.is_floating_point() and tensor.numel() and not _without_data(tensor):
+        if tensor.is_floating_point() and tensor.numel() and not without_data(tensor):
             return tensor
     return None
-
-
-def _without_data(tensor: Tensor) -> bool:
-    """Whether ``tensor`` is meta or fake: it has a device and no data there."""
-    return tensor.is_meta or isinstance(tensor, FakeTensor)
 
 
 def _needs_rebase(ref: Tensor, holds_real_data: bool) -> bool:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from modattrs._compiled import speedups
-from modattrs._fake_tensors import ModattrsFakeTensorMode
-from modattrs._spoofed_cuda import IntDevicesAreCuda
+from modattrs._fake.mode import ModattrsFakeTensorMode
+from modattrs._fake.spoofed_cuda import IntDevicesAreCuda
 from modattrs.fake import fake_mode, is_fake
 
 pytestmark = pytest.mark.skipif(speedups is None, reason="modattrs._speedups is not built in this install")

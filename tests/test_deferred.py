@@ -601,7 +601,7 @@ CUDA_ON_ITS_OWN = """
 
 
 def test_deferring_a_module_built_for_cuda_works_on_its_own_and_materializes_eager_values_on_the_cpu() -> None:
-    from modattrs import _cuda_guard
+    from modattrs._fake import cuda_guard as _cuda_guard
 
     if _cuda_guard.gpu_present():
         pytest.skip("this machine has a GPU: nothing is spoofed")
@@ -620,7 +620,7 @@ def test_deferring_a_module_built_for_cuda_works_on_its_own_and_materializes_eag
 def test_deferring_a_module_built_for_cuda_without_a_compiler_says_so_and_what_to_do(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from modattrs import _cuda_guard
+    from modattrs._fake import cuda_guard as _cuda_guard
 
     def no_compiler(*, replace: bool) -> None:
         raise FileNotFoundError("[Errno 2] No such file or directory: 'c++'")

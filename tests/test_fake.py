@@ -582,7 +582,7 @@ def test_backward_checks_what_torch_checks() -> None:
 
 
 def test_without_a_compiler_fake_cuda_says_what_to_do_instead(monkeypatch: pytest.MonkeyPatch) -> None:
-    from modattrs import _cuda_guard
+    from modattrs._fake import cuda_guard as _cuda_guard
 
     def no_compiler(*, replace: bool) -> None:
         raise FileNotFoundError("[Errno 2] No such file or directory: 'c++'")
@@ -603,7 +603,7 @@ def test_without_a_compiler_fake_cuda_says_what_to_do_instead(monkeypatch: pytes
 def test_on_a_cuda_build_whose_guard_needs_the_driver_without_a_compiler_fake_cuda_says_what_to_do(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from modattrs import _cuda_guard
+    from modattrs._fake import cuda_guard as _cuda_guard
 
     def no_compiler(*, replace: bool) -> None:
         assert replace  # the build's own guard is taken out

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from modattrs import _cuda_guard
+from modattrs._fake import cuda_guard
 from modattrs.deferred import DeferredInitError, deferred_init, is_deferred, materialize_module, materialize_tensor
 from modattrs.fake import fake_mode, is_fake
 from tests.deferred_models import DeepCopied, OwnGenerator, Stack, Tied
@@ -58,7 +58,7 @@ def torch_fake_mode() -> Iterator[None]:
 @contextlib.contextmanager
 def spoofed_cuda() -> Iterator[None]:
     try:
-        _cuda_guard.require()
+        cuda_guard.require()
     except RuntimeError as error:
         pytest.skip(f"fake CUDA cannot be set up here: {error}")
     with fake_mode(fake_cuda=True):
@@ -120,7 +120,7 @@ def test_materializing_inside_a_fake_mode_gives_real_eager_values(
 
 
 def test_a_cuda_record_materialized_inside_spoofed_cuda_says_there_is_no_cuda_device_and_stays_deferred() -> None:
-    if _cuda_guard.gpu_present():
+    if cuda_guard.gpu_present():
         pytest.skip("this machine has a GPU: nothing is spoofed")
     expected = eager(lambda: nn.Linear(2, 2))
     with spoofed_cuda():

@@ -1,14 +1,35 @@
-"""The package's shape: no module imports, directly or through others, a module that imports it back."""
+"""The package's shape: the attribute core, the two engines (fake mode in ``modattrs/_fake``, deferred init in
+``modattrs/_deferred``) behind their public faces (``modattrs.fake``, ``modattrs.deferred``), the command line
+(``modattrs/_cli``); imports run one way, from the faces down to the core, and private torch names stay in one module.
+"""
 
 from __future__ import annotations
 
 import ast
+import functools
 import re
+import sys
+import warnings
 from pathlib import Path
 
 import modattrs
 
 PACKAGE = Path(modattrs.__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_files() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def is_module(package: Path, name: str) -> bool:
+    """Whether ``name`` in ``package`` is a module: a Python file, a package, or the C extension (its stub)."""
+    return any(package.joinpath(name + suffix).exists() for suffix in (".py", ".pyi", "/__init__.py"))
 
 
 def imports_of(path: Path) -> set[str]:
@@ -16,20 +37,20 @@ def imports_of(path: Path) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "modattrs":
-            if node.module == "modattrs":  # from modattrs import _generator, ...
-                found.update(
-                    f"modattrs.{alias.name}" for alias in node.names if (PACKAGE / f"{alias.name}.py").exists()
-                )
-            else:
-                found.add(node.module)
+            base = PACKAGE.parent.joinpath(*node.module.split("."))
+            modules = {f"{node.module}.{a.name}" for a in node.names if is_module(base, a.name)}
+            found |= modules or {node.module}  # from a package: its modules; else the module itself
         elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names if alias.name.startswith("modattrs."))
+            found.update(alias.name for alias in node.names if alias.name.startswith("modattrs"))
     return found
 
 
+def import_graph() -> dict[str, set[str]]:
+    return {module_name(path): imports_of(path) for path in package_files()}
+
+
 def test_no_module_of_the_package_is_part_of_an_import_cycle() -> None:
-    graph = {f"modattrs.{path.stem}": imports_of(path) for path in PACKAGE.glob("*.py") if path.stem != "__init__"}
-    graph["modattrs"] = imports_of(PACKAGE / "__init__.py")
+    graph = import_graph()
     cycles = []
     for start in graph:
         stack, seen = [(start, [start])], set()
@@ -42,6 +63,75 @@ def test_no_module_of_the_package_is_part_of_an_import_cycle() -> None:
                     seen.add(target)
                     stack.append((target, [*path, target]))
     assert not cycles, "\n".join(sorted(cycles))
+
+
+#: The layers, each allowed to import only itself and those listed after it.
+LAYERS: list[tuple[str, set[str]]] = [
+    ("the command line", {"modattrs._cli", "modattrs.__main__"}),
+    ("the package's face", {"modattrs"}),
+    ("the public faces of the engines", {"modattrs.fake", "modattrs.deferred"}),
+    ("what modattrs changes in torch", {"modattrs._torch_changes"}),
+    ("deferred init's engine", {"modattrs._deferred"}),
+    ("fake mode's engine", {"modattrs._fake"}),
+    ("saving and loading", {"modattrs._serialization", "modattrs._checkpoint"}),
+    ("the attribute core", {"modattrs.virtual", "modattrs.shaped", "modattrs._attribute", "modattrs._cache"}),
+    ("helpers", {"modattrs._module_tensors", "modattrs._names", "modattrs._devices", "modattrs._compiled"}),
+    ("the compiled hot paths", {"modattrs._speedups"}),
+    ("the compatibility module", {"modattrs._torch_private"}),
+]
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the layer a module belongs to (by its longest listed prefix)."""
+    matches = [
+        (len(prefix), index)
+        for index, (_, prefixes) in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    assert matches, f"{module} belongs to no layer: add it to LAYERS, and to the README's tree"
+    return max(matches)[1]
+
+
+def test_every_module_imports_only_its_own_layer_and_those_below_it() -> None:
+    upward = [
+        f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+        for module, targets in import_graph().items()
+        for target in targets
+        if layer_of(target) < layer_of(module)
+    ]
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_the_attribute_core_imports_nothing_from_either_engine() -> None:
+    engines = ("modattrs._fake", "modattrs._deferred", "modattrs.fake", "modattrs.deferred", "modattrs._torch_changes")
+    core = {"modattrs.virtual", "modattrs.shaped", "modattrs._attribute", "modattrs._cache", "modattrs._serialization"}
+    crossing = [
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        if module in core
+        for target in targets
+        if target.startswith(engines)
+    ]
+    assert not crossing, "\n".join(crossing)
+
+
+def test_the_readme_tree_lists_every_module_of_the_package() -> None:
+    readme = (ROOT / "README.md").read_text()
+    tree = re.search(r"```text\n\s*modattrs/\n(.*?)```", readme, re.DOTALL)
+    assert tree is not None, "the README has no tree of modattrs/ in a text block"
+    entries = re.findall(r"^\s*(\w+(?:\.py|\.c|/))", tree.group(1), re.MULTILINE)
+    present = [path.relative_to(PACKAGE) for path in PACKAGE.rglob("*") if path.suffix in (".py", ".c")]
+    expected = {
+        path.parent.name + "/" if path.name == "__init__.py" and len(path.parts) > 1 else path.name for path in present
+    }
+    assert sorted(entries) == sorted(expected)
+
+
+def test_a_newcomer_sees_the_architecture_in_the_top_level_listing() -> None:
+    top = sorted(path.name for path in PACKAGE.iterdir() if path.suffix == ".py" or (path / "__init__.py").exists())
+    assert len(top) <= 20, top
+    assert {"_fake", "_deferred", "_cli", "fake.py", "deferred.py", "virtual.py", "shaped.py"} <= set(top)
 
 
 # --- private torch names ---------------------------------------------------------------------------------------------
@@ -90,6 +180,7 @@ def torch_private_attributes() -> set[str]:
         mode,
         FakeTensorConverter,
         mode.fake_tensor_converter,
+        (torch.ones(1, requires_grad=True) * 2).grad_fn,  # an autograd graph node
     ]
     names = set()
     for obj in objects:
@@ -98,10 +189,46 @@ def torch_private_attributes() -> set[str]:
     return names
 
 
+@functools.cache
+def torch_classes() -> frozenset[str]:
+    """The names of torch's classes, and of the autograd graph nodes its ``autograd.Function`` subclasses make: a
+    string equal to one is a match on a torch class by name, which only the compatibility module may make."""
+    import torch
+    import torch.distributed.tensor
+    import torch.utils.checkpoint
+
+    names = set()
+    with warnings.catch_warnings():  # reading some module attributes warns that they are deprecated
+        warnings.simplefilter("ignore")
+        for name, module in list(sys.modules.items()):
+            if name.split(".")[0] == "torch" and module is not None:
+                names.update(
+                    value.__name__
+                    for value in list(vars(module).values())
+                    if isinstance(value, type) and str(value.__module__).startswith("torch")
+                )
+    functions = [torch.autograd.Function]
+    while functions:
+        cls = functions.pop()
+        names.add(f"{cls.__name__}Backward")
+        functions.extend(cls.__subclasses__())
+    return frozenset(name for name in names if name[:1].isupper())
+
+
+@functools.cache
+def own_classes() -> frozenset[str]:
+    return frozenset(
+        node.name
+        for path in package_files()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    )
+
+
 def own_names() -> set[str]:
     """The underscore names modattrs gives its own functions, classes, attributes and slots."""
     names = set()
-    for path in PACKAGE.glob("*.py"):
+    for path in package_files():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                 names.add(node.name)
@@ -136,8 +263,14 @@ def private_torch_uses(path: Path, torch_private: set[str]) -> list[str]:
                 name = node.attr
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in torch_private:
             name = repr(node.value)  # getattr(tensor, "_name"), setattr, hasattr
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value in torch_classes() - own_classes()
+        ):
+            name = repr(node.value)  # type(x).__name__ == "SomeTorchClass", getattr(module, "SomeTorchClass")
         if name is not None:
-            found.append(f"{path.name}:{node.lineno}: {name}")
+            found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {name}")
     return found
 
 
@@ -145,8 +278,8 @@ def test_private_torch_names_are_used_only_in_the_compatibility_module() -> None
     torch_private = torch_private_attributes() - own_names()
     uses = [
         use
-        for path in sorted(PACKAGE.glob("*.py"))
-        if path.name != COMPATIBILITY_MODULE
+        for path in package_files()
+        if path.relative_to(PACKAGE).as_posix() != COMPATIBILITY_MODULE
         for use in private_torch_uses(path, torch_private)
     ]
     assert not uses, "\n".join(uses)
@@ -166,3 +299,35 @@ def test_the_compiled_hot_path_names_no_private_torch_name() -> None:
     literals = set(re.findall(r'"(_\w+)"', source))
     assert "_plain_ref" in literals  # what it reads of its own is found
     assert not literals & (torch_private_attributes() - own_names())
+
+
+# --- public names ----------------------------------------------------------------------------------------------------
+
+PUBLIC_MODULES = ("modattrs", "modattrs.fake", "modattrs.deferred")
+
+
+def public_objects() -> list[tuple[str, object]]:
+    """Every class and function the public modules export, with the module exporting it."""
+    import importlib
+
+    found = []
+    for name in PUBLIC_MODULES:
+        module = importlib.import_module(name)
+        for exported in module.__all__:
+            value = getattr(module, exported)
+            if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
+                found.append((f"{name}.{exported}", value))
+    return found
+
+
+def test_public_names_say_a_public_module_they_can_be_imported_from() -> None:
+    import importlib
+
+    wrong = []
+    for path, value in public_objects():
+        module = getattr(value, "__module__", "")
+        named = getattr(importlib.import_module(module), getattr(value, "__qualname__", ""), None)
+        if any(part.startswith("_") for part in module.split(".")) or named is not value:
+            wrong.append(f"{path}: __module__ is {module!r}")
+    assert not wrong, "\n".join(wrong)
+    assert {path for path, _ in public_objects()} >= {"modattrs.deferred.DeferredInitError", "modattrs.fake.GPU"}

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from modattrs import _generator
+from modattrs._deferred import generator
+from modattrs._deferred.materialize import roots
 from modattrs.deferred import (
-    _roots,
     deferred_init,
     is_deferred,
     materialize_module,
@@ -106,11 +106,11 @@ def test_remembered_generator_states_stay_few_as_the_model_grows_and_go_with_the
     for depth in (8, 32):
         torch.manual_seed(0)
         model = deferred_init(Redrawn, depth)
-        record = _roots[model].record
+        record = roots[model].record
         most = 0
         for block in model.blocks:
             materialize_module(block)
-            most = max(most, _generator.remembered_bytes(record))
+            most = max(most, generator.remembered_bytes(record))
         assert most <= 4 * state_bytes, f"depth {depth}: {most} bytes remembered"
         materialize_module(model)
         assert not is_deferred(model)

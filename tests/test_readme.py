@@ -22,7 +22,7 @@ def test_readme_python_example_runs() -> None:
 
 
 def test_readme_shows_what_quick_start_command_1_prints(capsys: pytest.CaptureFixture[str]) -> None:
-    from modattrs._cli import main
+    from modattrs._cli.commands import main
 
     text = README.read_text()
     commands = re.findall(r"```sh\n(.*?)```", text, re.S)[0]

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from modattrs import _cuda_guard, _spoofed_cuda
+from modattrs._fake import cuda_guard, spoofed_cuda
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +26,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 warnings.simplefilter("error", UserWarning)  # the data pointer warning of fake deep copies must be silenced
 
-from modattrs import VirtualTensor, _cuda_guard, _torch_changes
+from modattrs import VirtualTensor, _torch_changes
+from modattrs._fake import cuda_guard
 from modattrs.deferred import deferred_init, materialize_module
 from modattrs.fake import fake_mode, is_fake
 
@@ -108,7 +109,7 @@ def changed():
     return {
         "functions": dict(sorted(found.items())),
         "silenced": [p for p in silenced if "FakeTensor" in p],
-        "fake cuda guard": _cuda_guard.ready(),
+        "fake cuda guard": cuda_guard.ready(),
     }
 
 
@@ -130,10 +131,9 @@ print(json.dumps(states))
 
 
 def fake_cuda_can_be_built() -> bool:
-    from modattrs import _cuda_guard
 
     try:
-        _cuda_guard.require()  # builds and caches it for the processes below too
+        cuda_guard.require()  # builds and caches it for the processes below too
     except RuntimeError:
         return False
     return True
@@ -179,10 +179,10 @@ def test_every_order_of_first_use_leaves_torch_in_one_state_and_every_feature_wo
         "torch.Tensor.numpy",
     }
     if "cuda" in used:
-        expected |= {f"torch.cuda.{name}" for name in _spoofed_cuda.ANSWERS}
-        if not _cuda_guard.gpu_present():  # a real GPU runs torch's autograd engine
+        expected |= {f"torch.cuda.{name}" for name in spoofed_cuda.ANSWERS}
+        if not cuda_guard.gpu_present():  # a real GPU runs torch's autograd engine
             expected |= {"torch.autograd._engine_run_backward", "torch.autograd.graph._engine_run_backward"}
-        if _cuda_guard.attention_needs_the_driver():  # torch 2.8's CUDA build without a GPU
+        if cuda_guard.attention_needs_the_driver():  # torch 2.8's CUDA build without a GPU
             expected.add("torch.nn.functional.scaled_dot_product_attention")
     assert set(installed["functions"]) == expected
     assert installed["silenced"] == ["Accessing the data pointer of FakeTensor"]
@@ -194,3 +194,16 @@ def test_undoing_the_changes_puts_torch_back_and_the_next_use_makes_them_again()
     assert undone["functions"] == {}
     assert undone["silenced"] == []
     assert reinstalled == installed
+
+
+GENERATOR_FUNCTIONS = {
+    f"torch.{space}{name}" for space in ("", "random.") for name in ("manual_seed", "get_rng_state", "set_rng_state")
+}
+
+
+def test_a_process_that_only_uses_fake_mode_keeps_torchs_generator_functions() -> None:
+    (fake_only,) = run(("fake", "cached"))
+    assert fake_only["functions"]  # the base changes are made
+    assert not set(fake_only["functions"]) & GENERATOR_FUNCTIONS
+    (fake_then_deferred,) = run(("fake", "deferred"))
+    assert set(fake_then_deferred["functions"]) - set(fake_only["functions"]) == GENERATOR_FUNCTIONS

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from modattrs._record import DeferredInitError, Point, Position, Record, draws_on_cpu, scratch_arguments
+from modattrs._deferred.record import DeferredInitError, Point, Position, Record, draws_on_cpu, scratch_arguments
 from modattrs._torch_private import FakeTensor, disable_current_modes
 
 __all__: list[str] = []

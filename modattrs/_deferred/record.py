@@ -2,8 +2,8 @@
 
 A record is a list of operations (:class:`Op`) on tensors known by number (refs), each with where its fake
 arguments sit in its flattened arguments (:class:`Slot`), what it read and wrote, and which generator it drew from
-(:class:`Draws`). The recorder (``_recorder``) appends to it, the replayer (``_replay``) runs parts of it, and the
-generator timeline (``_generator``) keeps its notes on the random generator in the record's last fields. Nothing
+(:class:`Draws`). The recorder (``recorder``) appends to it, the replayer (``replay``) runs parts of it, and the
+generator timeline (``generator``) keeps its notes on the random generator in the record's last fields. Nothing
 here changes a record or reads the state of torch.
 """
 
@@ -27,7 +27,7 @@ class DeferredInitError(RuntimeError):
     """Deferred initialization cannot reproduce what eager construction would do."""
 
 
-# Where the default CPU generator is, as eager code would see it (see _generator): its real state, or a point of a
+# Where the default CPU generator is, as eager code would see it (see generator): its real state, or a point of a
 # record, (record, n), meaning "the state after the first n operations of that record drew".
 Point = tuple["Record", int]
 Position = Union[torch.Tensor, Point]  # noqa: UP007 (evaluated at runtime on Python 3.10)
@@ -95,7 +95,7 @@ class Op:
     overwrites: frozenset[int]  # storages it writes whole, as a value writer: earlier writes to them are dead
     draws: Draws
     device: torch.device | None  # where it ran: the device of its result, or of what it wrote
-    reset: Position | None  # for draws: where the default CPU generator was set to before it (see _generator)
+    reset: Position | None  # for draws: where the default CPU generator was set to before it (see generator)
     pinned: bool  # draws from a default generator as many numbers as fake values say: it runs in every replay
     default_dtype: torch.dtype
 
@@ -153,11 +153,11 @@ class Record:
     """Everything that happened to the tensors of one ``deferred_init`` call, in order, and the generator timeline's
     notes on it."""
 
-    # The generator timeline's notes (kept by _generator, which makes records):
+    # The generator timeline's notes (kept by generator, which makes records):
     start: Position  # the default CPU generator's position when recording began
     point: Position  # its position after the record's last draw
-    point_epoch: int  # _generator.epoch at that draw: a reseed since makes the point history
-    epoch: int  # _generator.epoch at the record's last draw on another device
+    point_epoch: int  # generator.epoch at that draw: a reseed since makes the point history
+    epoch: int  # generator.epoch at the record's last draw on another device
     # The operations, and how tensors are known:
     ops: list[Op] = field(default_factory=list)
     keys: dict[Key, int] = field(default_factory=dict)  # where a tensor's data would live -> its ref
@@ -165,7 +165,7 @@ class Record:
     next_ref: int = 0
     root: weakref.ref[torch.nn.Module] | None = None  # what deferred_init returned
     # Per replay device ("" for the recorded devices): the CPU generator's state after the first n operations,
-    # remembered by replays that passed there, so that later ones start from the nearest one (see _generator).
+    # remembered by replays that passed there, so that later ones start from the nearest one (see generator).
     states: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
     drawn: set[int] = field(default_factory=set)  # CPU draws that replays ran for real (materialized)
     _dead: tuple[int, frozenset[int]] = (0, frozenset())  # (number of ops, dead_writes of them)

@@ -1,5 +1,5 @@
 """The recorder behind :mod:`modattrs.deferred`: a fake tensor mode that writes down every operation on its tensors
-into a record (``_record``).
+into a record (``record``).
 
 Identity. A tensor is known by where its data would live: (storage, offset, sizes, strides, dtype, conj and neg
 bits). Python objects and tensor impls are no good as keys, because ``nn.Parameter(t)``, ``t.data`` and
@@ -8,8 +8,8 @@ geometry, though. Every storage the record has seen is kept alive (a fake storag
 storages ever share an address.
 
 Random numbers. Fake tensors draw nothing, so the real generators stay where they were while recording; what each
-random operation would have drawn is worked out at replay (``_replay``, ``_generator``). A draw from the default
-CPU generator notes what ``_generator`` says about where eager code would have the generator. A
+random operation would have drawn is worked out at replay (``replay``, ``generator``). A draw from the default
+CPU generator notes what ``generator`` says about where eager code would have the generator. A
 ``torch.Generator`` passed explicitly is advanced for real, on a scratch tensor, and its state before each operation
 is kept, so replays use it in constant time and the object ends where eager code leaves it.
 """
@@ -26,10 +26,11 @@ from typing import Any, NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from modattrs import _cuda_guard, _generator, _torch_changes
-from modattrs._fake_tensors import CONSTANT_LIMIT, ModattrsFakeTensorMode
+from modattrs._deferred import generator
+from modattrs._deferred.record import Constant, DeferredInitError, Draws, Key, Op, Record, Slot, scratch_arguments
+from modattrs._fake import cuda_guard
+from modattrs._fake.mode import CONSTANT_LIMIT, ModattrsFakeTensorMode
 from modattrs._names import callable_name, where
-from modattrs._record import Constant, DeferredInitError, Draws, Key, Op, Record, Slot, scratch_arguments
 from modattrs._torch_private import (
     SAMPLE_DIRICHLET,
     STANDARD_GAMMA,
@@ -59,9 +60,12 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
     honours them.
     """
 
-    def __init__(self, record: Record) -> None:
+    def __init__(self, record: Record, make_fake_cuda_possible: Callable[[], None]) -> None:
+        """``make_fake_cuda_possible`` is called when a recorded operation asks for CUDA before fake CUDA is set up
+        (``_torch_changes.install_fake_cuda``, which the public face passes: engines change nothing in torch)."""
         super().__init__()
         self.record = record
+        self._make_fake_cuda_possible = make_fake_cuda_possible
         self._depth = threading.local()  # the mode calls itself for decompositions: only the outer call counts
         # The real tensors handed to deferred_init, while it records, for messages: by id, and by storage for the
         # tensors sharing their memory (``nn.Parameter(given)``). Dropped after: ids and addresses get reused.
@@ -70,6 +74,18 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         # Storages of fake tensors that view real ones (``given.view(2, 2)``), with the real tensor: a write through
         # one of them would change the real tensor in eager code, so it is refused, naming the real tensor.
         self._real_views: dict[int, _Real] = {}
+
+    def _fake_cuda_for(self, func: Callable[..., Any]) -> None:
+        """A record that asks for CUDA on a build of torch without it gets fake CUDA, as torchdistx's did: what
+        ``fake_mode(fake_cuda=True)`` sets up."""
+        try:
+            self._make_fake_cuda_possible()
+        except RuntimeError as error:
+            raise DeferredInitError(
+                f"{callable_name(func)} asks for a CUDA device ({where()}), which this build of torch lacks: "
+                f"deferred_init makes fake CUDA tensors then, and cannot here. {error} Or build the module for the "
+                "CPU: materialized, its values are those of eager construction on the CPU either way"
+            ) from error
 
     def __torch_dispatch__(
         self,
@@ -82,7 +98,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         if depth:
             return super().__torch_dispatch__(func, types, args, kwargs)
         kwargs = kwargs or {}
-        with _generator.lock:
+        with generator.lock:
             random = torch.Tag.nondeterministic_seeded in func.tags
             pending = self._begin(func, args, kwargs, _mutated_arguments(func, args, kwargs), random=random)
             self._depth.n = 1
@@ -135,7 +151,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], target: FakeTensor
     ) -> FakeTensor:
         """Record ``func(*args, **kwargs)`` as one call that writes ``target`` in place, without running it."""
-        with _generator.lock:
+        with generator.lock:
             pending = self._begin(func, args, kwargs, (target,), random=True)
             self._finish(pending, target)
         return target
@@ -143,8 +159,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
     def note_generator(self) -> None:
         """Record where the default CPU generator is if it moved since the last draw (a reseed at the end of
         construction), so that a full replay leaves it there."""
-        with _generator.lock:
-            reset = _generator.reset_before_draw(self.record)
+        with generator.lock:
+            reset = generator.reset_before_draw(self.record)
             if reset is None:
                 return
             self.record.ops.append(
@@ -169,15 +185,15 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                     default_dtype=torch.get_default_dtype(),
                 )
             )
-            _generator.drew(self.record)
+            generator.drew(self.record)
 
     def ref_of(self, tensor: FakeTensor) -> int | None:
         """The record's name for ``tensor``, or None if the record cannot account for it."""
-        with _generator.lock:
+        with generator.lock:
             return self.record.keys.get(self._key_of(tensor))
 
     def storage_of(self, tensor: FakeTensor) -> int:
-        with _generator.lock:
+        with generator.lock:
             return self._storage_of(tensor)
 
     def forget(self, tensor: FakeTensor) -> None:
@@ -235,8 +251,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 flat[position] = None
             elif isinstance(value, torch.device):
                 device_slots.append(position)
-                if value.type == "cuda" and not _cuda_guard.ready():
-                    _make_fake_cuda_possible(func)
+                if value.type == "cuda" and not cuda_guard.ready():
+                    self._fake_cuda_for(func)
             elif isinstance(value, torch.Generator) and not _is_default(value):
                 generators.append((position, value))
         # Nor through a fake view of a real tensor.
@@ -307,12 +323,12 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             op.generator_states = tuple((index, generator.get_state()) for index, generator in pending.generators)
             _advance(op, dict(pending.generators))  # so the generator object ends where eager code leaves it
         elif pending.draws is Draws.DEFAULT and device is not None and device.type == "cpu":
-            op.reset = _generator.reset_before_draw(self.record)
+            op.reset = generator.reset_before_draw(self.record)
             self.record.ops.append(op)
-            _generator.drew(self.record)
+            generator.drew(self.record)
             return
         elif pending.draws is Draws.DEFAULT:
-            op.reset = _generator.reset_for_other_device(self.record)
+            op.reset = generator.reset_for_other_device(self.record)
         self.record.ops.append(op)
 
     def _name_results(
@@ -397,7 +413,7 @@ class ValueReads(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         # torch hands __torch_function__ the method that Tensor has at call time: for numpy, the wrapper that
-        # _torch_changes.install puts there before any recording starts.
+        # _torch_changes.install_deferred puts there before any recording starts.
         self._reads = {getattr(torch.Tensor, name): label for name, label in _VALUE_READS.items()}
 
     def __torch_function__(
@@ -570,19 +586,6 @@ def _overwritten(slots: Sequence[Slot], flat: Sequence[Any]) -> frozenset[int]:
         if covers and not others:
             whole.add(slot.storage)
     return frozenset(whole)
-
-
-def _make_fake_cuda_possible(func: Callable[..., Any]) -> None:
-    """A record that asks for CUDA on a build of torch without it gets fake CUDA, as torchdistx's did: what
-    ``fake_mode(fake_cuda=True)`` sets up."""
-    try:
-        _torch_changes.install_fake_cuda()
-    except RuntimeError as error:
-        raise DeferredInitError(
-            f"{callable_name(func)} asks for a CUDA device ({where()}), which this build of torch lacks: "
-            f"deferred_init makes fake CUDA tensors then, and cannot here. {error} Or build the module for the CPU: "
-            "materialized, its values are those of eager construction on the CPU either way"
-        ) from error
 
 
 def _no_draw() -> None:

@@ -1,4 +1,4 @@
-"""Replay of a record (``_record``): run, for real, what some of its tensors need.
+"""Replay of a record (``record``): run, for real, what some of its tensors need.
 
 Slicing. Walking the record backwards, an operation is kept when it makes a tensor that is needed or writes into
 storage that is needed, and what it reads becomes needed. An operation that writes a whole storage whatever it
@@ -7,7 +7,7 @@ initialization, which ``post_init`` draws over) are dead, and run only as draws,
 number of draws depends on values (``pinned``) are kept in every replay. Kept operations run in order; tensors
 are freed after their last use.
 
-Random numbers are the generator timeline's business (``_generator``): before each kept draw from the default CPU
+Random numbers are the generator timeline's business (``generator``): before each kept draw from the default CPU
 generator, the replay asks it to set the state eager code drew from. Operations that draw from an explicit
 ``torch.Generator`` use its recorded state; the generators of other devices are used as they are.
 """
@@ -18,8 +18,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from modattrs import _generator
-from modattrs._record import Copies, DeferredInitError, Op, Point, Record, private_results
+from modattrs._deferred import generator
+from modattrs._deferred.record import Copies, DeferredInitError, Op, Point, Record, private_results
 from modattrs._torch_private import OpOverload, tree_flatten
 
 __all__: list[str] = []
@@ -40,7 +40,7 @@ def replay(
     caller reseeded it since); otherwise the replay stops after the last operation needed and the generator is put
     back as it was.
     """
-    with _generator.replaying(record, device, _state_after, to_end=to_end) as walk:
+    with generator.replaying(record, device, _state_after, to_end=to_end) as walk:
         kept = _slice(record.ops, targets)
         _check_devices(record.ops, kept, device)
         _refuse_collectives(record.ops, kept, targets, labels)
@@ -54,11 +54,11 @@ def replay(
 def _state_after(point: Point) -> torch.Tensor:
     """The default CPU generator's state after the first ``count`` operations of ``record`` drew, as in eager code."""
     record, count = point
-    with _generator.replaying(record, None, _state_after, to_end=False) as walk:
+    with generator.replaying(record, None, _state_after, to_end=False) as walk:
         ops = record.ops[:count]
         _run_kept(ops, _slice(ops, {}), {}, {}, None, walk)  # draws that depend on values run for real
         walk.reach(count)
-        return _generator.real_state()
+        return generator.real_state()
 
 
 def _run_kept(
@@ -67,7 +67,7 @@ def _run_kept(
     targets: Mapping[int, int],
     env: dict[int, torch.Tensor],
     device: torch.device | None,
-    walk: _generator.Walk,
+    walk: generator.Walk,
 ) -> None:
     frees = _last_uses(ops, kept, targets)
     copies: Copies = {}

@@ -15,14 +15,14 @@ caller's line), then hand the entry tuples. Every other graph goes to torch's en
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
-from modattrs._torch_private import FakeTensor, gradient_metadata
+from modattrs._torch_private import FakeTensor, gradient_metadata, is_reentrant_checkpoint
 
 __all__: list[str] = []
 
@@ -145,22 +145,28 @@ def _spoofed(outputs: tuple[Any, ...]) -> bool:
     if any(t.device.type == "cuda" for t in fakes):
         return True
     edges: list[Tensor | GradientEdge] = [t for t in outputs if isinstance(t, GradientEdge)]  # fake graph or not
-    nodes = [node for node in map(_start, [*fakes, *edges]) if node is not None]
-    # Keyed by id, and the nodes kept: torch's Python object for a graph node lives only while referenced (on
-    # torch 2.8; later releases keep it), and a node dropped could give its id to the next one.
-    seen: dict[int, object] = {}
-    while nodes:
-        node = nodes.pop()
-        if id(node) in seen:
-            continue
-        seen[id(node)] = node
+    starts = [node for node in map(_start, [*fakes, *edges]) if node is not None]
+    for node in _graph(starts, {}):
         variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
         if isinstance(variable, Tensor) and variable.device.type == "cuda":
             return True
         if any(metadata.device.type == "cuda" for metadata in gradient_metadata(node)):
             return True  # the gradient this node receives is on CUDA
-        nodes.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
     return False
+
+
+def _graph(starts: list[Any], seen: dict[int, object]) -> Iterator[Any]:
+    """Each graph node reachable from ``starts``, once, kept in ``seen`` by id: torch's Python object for a graph
+    node lives only while referenced (on torch 2.8; later releases keep it), and a node dropped could give its id
+    to the next one."""
+    nodes = list(starts)
+    while nodes:
+        node = nodes.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        yield node
+        nodes.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
 
 
 def _reach(outputs: tuple[Tensor | GradientEdge, ...]) -> tuple[list[Tensor], dict[int, object]]:
@@ -175,14 +181,9 @@ def _reach(outputs: tuple[Tensor | GradientEdge, ...]) -> tuple[list[Tensor], di
             leaves.append(output)
         else:
             nodes.append(start)
-    # Keyed by id, and the nodes kept: see _spoofed.
     seen: dict[int, object] = {}
-    while nodes:
-        node = nodes.pop()
-        if id(node) in seen:
-            continue
-        seen[id(node)] = node
-        if type(node).__name__ == "CheckpointFunctionBackward":
+    for node in _graph(nodes, seen):
+        if is_reentrant_checkpoint(node):
             raise RuntimeError(
                 "a backward pass through torch.utils.checkpoint with use_reentrant=True cannot be simulated for "
                 "spoofed CUDA (its parameters are not in the graph until backward runs the forward again); pass "
@@ -191,5 +192,4 @@ def _reach(outputs: tuple[Tensor | GradientEdge, ...]) -> tuple[list[Tensor], di
         variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
         if isinstance(variable, Tensor):
             leaves.append(variable)
-        nodes.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
     return leaves, seen

@@ -7,7 +7,7 @@ autograd is involved. The cure is to register torch's own ``FakeGuardImpl<CUDA>`
 C++: they are compiled at the first use of fake CUDA and cached by torch's extension loader under a name that
 includes the torch version. ``_torch_changes`` registers it, and then replaces the entry of torch's autograd engine
 (``_engine_run_backward``, which ``torch.autograd.backward`` and ``grad`` call once they have taken their arguments)
-by one that simulates backward passes over spoofed-CUDA graphs (see ``_fake_backward``).
+by one that simulates backward passes over spoofed-CUDA graphs (see ``_fake.backward``).
 
 A CUDA build on a machine without a GPU or a driver (what ``pip install torch`` gives on Linux) has its real
 guard, and its bindings call ``torch.cuda._lazy_init()`` before moving even a fake tensor to CUDA, once per
@@ -27,7 +27,7 @@ import threading
 
 import torch
 
-from modattrs._spoofed_cuda import MAX_DEVICES, real_device_count
+from modattrs._fake.spoofed_cuda import MAX_DEVICES, real_device_count
 from modattrs._torch_private import FakeTensorMode, cuda_initialization_skipped
 
 __all__ = ["MAX_DEVICES"]

@@ -18,11 +18,11 @@
   no random numbers keeps its values (``FakeTensor.constant``, always a plain CPU tensor, whatever device the fake
   is on), so ``.item()``, ``.tolist()``, ``if``, ``unique`` and ``nonzero`` on it work as in eager code. See
   "Construction-time constants" below.
-* On a machine without a GPU, CUDA devices are refused until fake CUDA is set up (see ``_cuda_guard``): without
+* On a machine without a GPU, CUDA devices are refused until fake CUDA is set up (see ``_fake.cuda_guard``): without
   it, some operations fail, and on a build of torch without CUDA autograd aborts the process. Devices past the
   spoofed device count are refused.
 * torch's code below the mode asks torch's own ``torch.cuda`` functions whether it may make real CUDA tensors, not
-  the spoofed ones (see ``_spoofed_cuda``).
+  the spoofed ones (see ``_fake.spoofed_cuda``).
 
 The process-wide changes that fake mode needs are made by ``_torch_changes``.
 """
@@ -35,11 +35,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
-from modattrs import _cuda_guard, _spoofed_cuda
 from modattrs._compiled import speedups
 from modattrs._devices import as_device
+from modattrs._fake import cuda_guard, spoofed_cuda
 from modattrs._names import where
 from modattrs._torch_private import (
     FAKE_DEVICE_ATTRIBUTE,
@@ -56,7 +55,6 @@ from modattrs._torch_private import (
     OpOverload,
     address_of,
     call_as_meta,
-    disable_current_modes,
     dispatch_as_written,
     dynamo_frame_hook,
     fake_tensor_attributes,
@@ -180,7 +178,7 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
     def avoid_device_init(self) -> bool:
         # torch asks torch.cuda.is_available() whether it may make real tensors on the device (constants of
         # torch.tensor(...)); inside a spoofed block that answers for the spoofed GPU, so the real answer is asked.
-        with _spoofed_cuda.truthful():
+        with spoofed_cuda.truthful():
             return bool(super().avoid_device_init)
 
     def opaque_call(
@@ -199,12 +197,12 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
     ) -> Any:
         # Entered through _dispatch_entry where the C extension is built (see Note [A dispatch entry dynamo cannot
         # see], below the class).
-        spoofing = _spoofed_cuda.state
+        spoofing = spoofed_cuda.state
         if not spoofing.stack or spoofing.truthful:
             return self._dispatch(func, types, args, kwargs)
         # Below the dispatcher is torch's code, which asks torch.cuda.is_available() whether it may make real CUDA
         # tensors (torch 2.8 does, for every new fake CUDA tensor; 2.13 does not): it gets torch's own answers.
-        # (_spoofed_cuda.truthful(), inlined: a generator context manager here cost a tenth of a fake build.)
+        # (spoofed_cuda.truthful(), inlined: a generator context manager here cost a tenth of a fake build.)
         spoofing.truthful = True
         try:
             return self._dispatch(func, types, args, kwargs)
@@ -337,32 +335,10 @@ def _normalized(device: torch.device) -> torch.device:
     if (
         device.index is not None
         or device.type in ("cpu", "meta")
-        or (device.type == "cuda" and not _cuda_guard.cuda_built())
+        or (device.type == "cuda" and not cuda_guard.cuda_built())
     ):
         _NORMALIZED[device] = normalized
     return normalized
-
-
-def parameter_like(data: torch.Tensor, old: torch.Tensor) -> nn.Parameter:
-    """A parameter of ``data`` that takes the place of ``old``: its ``requires_grad``, and the Python attributes a
-    user set on it (a ``no_decay`` flag, say).
-
-    Not the rest of its ``__dict__``: a fake tensor keeps its mode, its device and more there, and a parameter made
-    of one a flag; copied onto another tensor they would give it the old one's device and mode.
-    """
-    parameter = nn.Parameter(data, requires_grad=old.requires_grad)
-    internal = _torch_fields()
-    vars(parameter).update((name, value) for name, value in vars(old).items() if name not in internal)
-    return parameter
-
-
-@functools.cache
-def _torch_fields() -> frozenset[str]:
-    """The names torch keeps in the ``__dict__`` of a fake tensor and of a parameter made of one."""
-    with disable_current_modes():
-        fake = FakeTensor(FakeTensorMode(), torch.empty(1, device="meta"), torch.device("cpu"))
-        parameter = nn.Parameter(fake)
-    return frozenset(vars(fake)) | frozenset(vars(parameter))
 
 
 def check_device(device: object) -> None:
@@ -370,7 +346,7 @@ def check_device(device: object) -> None:
     those past the spoofed device count."""
     if device is None:
         return
-    limit = _spoofed_cuda.device_limit()
+    limit = spoofed_cuda.device_limit()
     key = (type(device), device, limit)  # the type too: True == 1, and as_device refuses a bool
     try:
         if key in _ACCEPTED:  # every factory call with a device= comes here
@@ -388,22 +364,22 @@ _ACCEPTED: set[tuple[type, object, int]] = set()
 
 
 def _check_cuda(device: torch.device, limit: int) -> None:
-    if not _cuda_guard.ready():
+    if not cuda_guard.ready():
         raise RuntimeError(
             f"fake tensors on {device} need modattrs.fake.fake_mode(fake_cuda=True) (or fake_copy to a CUDA device) "
             "first, on this machine, which has no GPU"
         )
-    if device.index is not None and not 0 <= device.index < limit and not _cuda_guard.gpu_present():
+    if device.index is not None and not 0 <= device.index < limit and not cuda_guard.gpu_present():
         if device.index < 0:  # torch.device(200), for one: the index is 8 bits
             raise ValueError(
                 f"{device}: not a CUDA device (torch wraps a device index past 127 around to a negative one); use "
                 f"cuda:0 to cuda:{limit - 1}"
             )
-        if limit == _spoofed_cuda.MAX_DEVICES:
+        if limit == spoofed_cuda.MAX_DEVICES:
             raise ValueError(f"{device}: torch's fake CUDA device guard knows cuda:0 to cuda:{limit - 1} only")
         raise ValueError(
             f"{device}: this fake_mode spoofs {limit} CUDA devices, cuda:0 to cuda:{limit - 1}; ask for more with "
-            f"fake_mode(fake_cuda=True, device_count=N), up to {_spoofed_cuda.MAX_DEVICES}"
+            f"fake_mode(fake_cuda=True, device_count=N), up to {spoofed_cuda.MAX_DEVICES}"
         )
 
 

@@ -1,0 +1,297 @@
+"""Materializing: replaying what the chosen fake tensors need, record by record, and swapping the real results into
+the same tensor objects, with every check made before anything changes."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from modattrs._attribute import own_attributes
+from modattrs._deferred.record import DeferredInitError
+from modattrs._deferred.recorder import RecordingFakeTensorMode, value_read_errors
+from modattrs._deferred.replay import replay
+from modattrs._fake import spoofed_cuda
+from modattrs._module_tensors import join, own_tensors, user_attributes
+from modattrs._names import in_library
+from modattrs._torch_private import (
+    FakeTensor,
+    disable_current_modes,
+    dtensor_local,
+    fsdp_padded_shards,
+    hooks_of,
+    imported_dtensor_type,
+    rebuild_rnn_weights,
+    release_rnn_weights,
+    restore_hooks,
+    rnn_flat_weights,
+    use_count,
+    view_base_of,
+)
+from modattrs.virtual import VirtualTensor
+
+__all__: list[str] = []
+
+
+roots: weakref.WeakKeyDictionary[nn.Module, RecordingFakeTensorMode] = weakref.WeakKeyDictionary()
+
+
+Chosen = dict[int, tuple[str, FakeTensor]]  # id of a fake tensor -> (its label for messages, the tensor)
+
+
+def materialize(
+    chosen: list[tuple[str, FakeTensor]], module: nn.Module | None, *, full: bool, device: torch.device | None
+) -> None:
+    """Replay what ``chosen`` needs, record by record, and swap the results in.
+
+    Everything that can refuse is checked before anything changes; if a replay fails, the generator is put back.
+    Real values are what materializing is for: it steps out of the caller's dispatch modes (a fake mode, modattrs'
+    or torch's own, the recording of an enclosing ``deferred_init``) and spoofed CUDA.
+    """
+    with disable_current_modes(), spoofed_cuda.truthful():
+        _replay_and_swap(chosen, module, full=full, device=device)
+
+
+def _replay_and_swap(
+    chosen: list[tuple[str, FakeTensor]], module: nn.Module | None, *, full: bool, device: torch.device | None
+) -> None:
+    root_mode = roots.get(module) if full and module is not None else None
+    groups = _by_record(chosen)
+    if root_mode is not None:
+        groups.setdefault(id(root_mode), (root_mode, {}))  # even with nothing left, the generator is set
+    scope = [] if module is None else list(module.modules())
+    for mode, tensors in groups.values():
+        recorded_root = mode.record.root() if mode.record.root is not None else None
+        if recorded_root is not None:
+            _add_aliases(tensors, mode, recorded_root)
+            scope.extend(recorded_root.modules())
+    refs = {key: ref_of(label, tensor) for _, tensors in groups.values() for key, (label, tensor) in tensors.items()}
+    everything = [entry for _, tensors in groups.values() for entry in tensors.values()]
+    with _recurrent_weights_released(scope, everything):
+        _check_swappable(everything)
+        saved = torch.default_generator.get_state()
+        swaps: list[tuple[str, FakeTensor, Tensor]] = []
+        try:
+            for mode, tensors in groups.values():
+                targets = {refs[key]: mode.storage_of(tensor) for key, (_, tensor) in tensors.items()}
+                labels = {refs[key]: label for key, (label, _) in tensors.items()}
+                reals = replay(mode.record, targets, labels, device=device, to_end=mode is root_mode)
+                for key, (label, tensor) in tensors.items():
+                    swaps.append((label, tensor, _real_twin(label, tensor, reals[refs[key]], device)))
+        except BaseException:
+            torch.default_generator.set_state(saved)
+            raise
+        _swap(swaps)
+    for owner in {id(m): m for m in scope}.values():  # cached values may have been computed from fake tensors
+        for attribute in own_attributes(owner):  # not aliases: theirs is their owners' business
+            if isinstance(attribute, VirtualTensor):
+                attribute.invalidate()
+    if root_mode is not None and module is not None:
+        del roots[module]  # all of it is real: the record can go
+
+
+def _by_record(chosen: list[tuple[str, FakeTensor]]) -> dict[int, tuple[RecordingFakeTensorMode, Chosen]]:
+    groups: dict[int, tuple[RecordingFakeTensorMode, Chosen]] = {}
+    for label, tensor in chosen:
+        mode = recording_mode(tensor)
+        if mode is None:
+            raise _not_recorded(label)
+        groups.setdefault(id(mode), (mode, {}))[1][id(tensor)] = (label, tensor)
+    return groups
+
+
+def _add_aliases(tensors: Chosen, mode: RecordingFakeTensorMode, root: nn.Module) -> None:
+    """Add the root's tensors that share storage with a chosen one: materialized apart, they would stop aliasing."""
+    storages = {mode.storage_of(tensor) for _, tensor in tensors.values()}
+    for label, tensor in module_tensors(root):
+        if id(tensor) in tensors or not isinstance(tensor, FakeTensor) or tensor.fake_mode is not mode:
+            continue
+        if mode.storage_of(tensor) in storages:
+            tensors[id(tensor)] = (label, tensor)
+
+
+@contextlib.contextmanager
+def _recurrent_weights_released(scope: list[nn.Module], tensors: list[tuple[str, FakeTensor]]) -> Iterator[None]:
+    """Recurrent layers hold weak references to their weights, which swap_tensors refuses: like their own
+    ``_apply``, drop them for the swap and make them again."""
+    ids = {id(tensor) for _, tensor in tensors}
+    layers = {
+        id(layer): layer
+        for layer in scope
+        if isinstance(layer, nn.RNNBase) and any(id(weight) in ids for weight in rnn_flat_weights(layer))
+    }.values()
+    for layer in layers:
+        release_rnn_weights(layer)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            rebuild_rnn_weights(layer)
+
+
+def _check_swappable(tensors: list[tuple[str, FakeTensor]]) -> None:
+    """Raise for a tensor that torch.utils.swap_tensors would refuse, once torch's own fake tensor memo (which holds
+    weak references to some) has let go of it."""
+    views_of: dict[int, int] = {}
+    for _, tensor in tensors:
+        base = view_base_of(tensor)
+        if base is not None:
+            views_of[id(base)] = views_of.get(id(base), 0) + 1
+    for label, tensor in tensors:
+        mode = recording_mode(tensor)
+        assert mode is not None
+        mode.forget(tensor)
+        if weakref.getweakrefcount(tensor):
+            raise DeferredInitError(
+                f"{label} cannot be made real in place: something holds a weak reference to it "
+                "(torch.utils.swap_tensors refuses such tensors); drop the weak reference first"
+            )
+        # A fake view holds its base twice (the view's and its meta tensor's view information); the views are
+        # swapped first and let go of it.
+        allowed = 1 + 2 * views_of.get(id(tensor), 0) + (1 if tensor.is_leaf and tensor.requires_grad else 0)
+        if use_count(tensor) > allowed:
+            _let_go_of_errors_read_values()
+        if use_count(tensor) > allowed:
+            raise DeferredInitError(
+                f"{label} cannot be made real in place: other tensors hold it (a view of it outside the module, or "
+                "the autograd graph of a fake forward pass whose outputs are still alive); drop them first"
+            )
+
+
+def _let_go_of_errors_read_values() -> None:
+    """Clear the finished frames of torch and modattrs in the tracebacks of the value-read errors still alive.
+
+    Code that reads the values of a deferred tensor (``t.tolist()`` reads each row, a view of ``t``) raises an error
+    saying to materialize first; its traceback keeps the frames that were running, and with them those views, which
+    materializing would refuse to leave fake, for as long as anything keeps the error. Those frames have returned:
+    their locals are only for post-mortem debugging, and the code of the user's own frames keeps its own.
+    """
+    for error in list(value_read_errors):
+        _clear_library_frames(error.__traceback__)
+
+
+def _clear_library_frames(traceback: types.TracebackType | None) -> None:
+    while traceback is not None:
+        frame = traceback.tb_frame
+        if in_library(frame.f_code):
+            with contextlib.suppress(RuntimeError):  # a frame still running cannot be cleared
+                frame.clear()
+                # Before Python 3.13, the copy of the locals that reading f_locals made stays on the frame; reading
+                # f_locals again updates it to the locals there are now: none.
+                frame.f_locals  # noqa: B018
+        traceback = traceback.tb_next
+
+
+def _swap(swaps: list[tuple[str, FakeTensor, Tensor]]) -> None:
+    """Swap each real twin into its fake tensor object: views first, then the tensors they view."""
+    swaps.sort(key=lambda swap: view_base_of(swap[1]) is None)
+    while swaps:
+        label, tensor, twin = swaps.pop(0)
+        hooks = hooks_of(tensor)
+        try:
+            torch.utils.swap_tensors(tensor, twin)  # type: ignore[no-untyped-call]
+        except RuntimeError as error:  # checked for before: not expected
+            raise DeferredInitError(
+                f"{label} could not be made real in place ({error}); the tensors listed before it were"
+            ) from error
+        del twin  # now the fake half: let go of it, and of the base it may hold
+        restore_hooks(tensor, hooks)  # they live on the tensor's autograd data, which the swap replaced
+
+
+def _real_twin(label: str, fake: FakeTensor, real: Tensor, device: torch.device | None) -> Tensor:
+    expected = (fake.shape, fake.stride(), fake.dtype)
+    got = (real.shape, real.stride(), real.dtype)
+    on = fake.device if device is None else device
+    if got != expected or not _same_device(real.device, on):
+        raise DeferredInitError(
+            f"replaying {label} gave a tensor of (shape, strides, dtype) {got} on {real.device}, expected "
+            f"{expected} on {on}; this is a bug in modattrs, please report it"
+        )
+    twin: Tensor
+    if isinstance(fake, nn.Parameter):
+        twin = nn.Parameter(real, requires_grad=fake.requires_grad)
+    else:  # a graph is not replayed: a tensor that had one comes back as its value, a leaf
+        twin = real.detach().requires_grad_(fake.requires_grad and fake.is_leaf)
+    vars(twin).update(user_attributes(fake))
+    return twin
+
+
+def _same_device(one: torch.device, other: torch.device) -> bool:
+    if one.type == "cpu":  # torch puts a tensor asked for on cpu:1 on the CPU, which has no index
+        return other.type == "cpu"
+    return one.type == other.type and (one.index or 0) == (other.index or 0)  # cuda is cuda:0
+
+
+def recording_mode(tensor: object) -> RecordingFakeTensorMode | None:
+    if isinstance(tensor, FakeTensor) and isinstance(tensor.fake_mode, RecordingFakeTensorMode):
+        return tensor.fake_mode
+    return None
+
+
+def ref_of(label: str, tensor: FakeTensor) -> int:
+    mode = recording_mode(tensor)
+    if mode is None:
+        raise _not_recorded(label)
+    ref = mode.ref_of(tensor)
+    if ref is None and tensor.untyped_storage().device.type != "meta":
+        raise DeferredInitError(
+            f"{label} had its data replaced by a real tensor (`.data = real`), which no operation records; assign a "
+            "new parameter or buffer instead, or copy_ the values in"
+        )
+    if ref is None:
+        raise DeferredInitError(
+            f"{label} ({tuple(tensor.shape)}, {tensor.dtype}) is fake, and no recorded operation made a tensor with "
+            "its storage and layout; it was likely built from another fake tensor without a torch operation "
+            "(torch.Tensor._make_subclass); make it with torch operations"
+        )
+    return ref
+
+
+def _not_recorded(label: str) -> DeferredInitError:
+    return DeferredInitError(
+        f"{label} is a fake tensor that no deferred_init recorded: fake_mode or fake_copy made it, outside "
+        "deferred_init or in a fake_mode block inside the function deferred_init records, so there is nothing to "
+        "replay for it; build it inside the deferred_init call without fake_mode, or assign a real tensor"
+    )
+
+
+def module_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Every tensor of ``module`` and its submodules (see ``own_tensors_of``), and the shard storage FSDP2 keeps for
+    them, labelled for messages."""
+    for prefix, submodule in module.named_modules():
+        yield from own_tensors_of(submodule, prefix, buffers_only=False)
+        yield from _fsdp_shards(submodule, prefix)
+
+
+def own_tensors_of(module: nn.Module, prefix: str, *, buffers_only: bool) -> Iterator[tuple[str, Tensor]]:
+    """A module's own tensors (see ``_module_tensors.own_tensors``), labelled for messages; for a DTensor (sharded by
+    FSDP2 or by tensor parallelism), the local tensor it wraps, which is what the record made."""
+    for held in own_tensors(module, prefix, buffers_only=buffers_only):
+        yield _local(held.label, held.tensor)
+
+
+def _local(label: str, tensor: Tensor) -> tuple[str, Tensor]:
+    """``tensor``, or the local tensor of a DTensor: the DTensor itself is a wrapper without data of its own, and its
+    local tensor is a fake tensor that the record made (``fully_shard`` and ``distribute_tensor`` run torch
+    operations on the deferred tensor to cut this rank's part out of it)."""
+    dtensor_type = imported_dtensor_type()
+    if dtensor_type is None or not isinstance(tensor, dtensor_type):
+        return label, tensor
+    return f"{label} (this rank's local tensor of the DTensor)", dtensor_local(tensor)
+
+
+def _fsdp_shards(module: nn.Module, prefix: str) -> Iterator[tuple[str, Tensor]]:
+    """The padded shard storage FSDP2 keeps for each parameter it manages in ``module`` (a ``fully_shard`` unit).
+
+    ``fully_shard`` pads this rank's part of each parameter to an equal size on every rank and keeps the padded
+    tensor flat, next to the DTensor parameter whose local tensor is a view of its first rows; all-gathers read it.
+    Materialized with the parameter (they share storage), it stays a view of the same real storage, as FSDP2 made it.
+    """
+    for holder, parameter_name, shard in fsdp_padded_shards(module):
+        owner = next((path for path, sub in module.named_modules() if sub is holder), "?")
+        name = join(join(prefix, owner) if owner else prefix, parameter_name)
+        yield f"FSDP2's padded shard of parameter {name!r}", shard
