@@ -20,7 +20,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from modattrs._deferred import generator
-from modattrs.deferred import _roots, deferred_init, materialize_module
+from modattrs._deferred.materialize import roots
+from modattrs.deferred import deferred_init, materialize_module
 
 LLAMA = LlamaConfig(
     hidden_size=512,
@@ -86,7 +87,7 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
 
 def remembered_peak(flow: Callable[[nn.Module], None], model: nn.Module) -> int:
     """The most memory remembered generator states took at any point of ``flow``."""
-    record = _roots[model].record
+    record = roots[model].record
     peak = 0
     original = generator.Walk.finish
 

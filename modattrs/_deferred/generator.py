@@ -19,14 +19,25 @@ where the record's previous draw left it: after a reseed, a ``fork_rng``, or dra
 between. A draw from another device's default generator notes the CPU state after a reseed: materialized on the
 CPU, eager code would have drawn from the reseeded CPU generator.
 
-Replays. The CPU generator cannot skip ahead, so to run a draw as eager code did, a replay needs the generator's
-state right before it: it sets the nearest state it knows at or before that point and runs the draws in between
-on scratch tensors of the same layout, freed at once. The states it knows: the one recording began from, the
+Replays. To run a draw as eager code did, a replay needs the generator's state right before it: it sets the
+nearest state it knows at or before that point and moves the generator over the draws in between, by jumping where
+it can (Note [Reaching a draw by jumping]) and otherwise by running them on scratch tensors of the same layout,
+freed at once. The states it knows: the one recording began from, the
 resets noted, the one it holds after the draw it ran last, and the states that earlier replays of the record passed
 through and remembered. So materializing a model block by block, in any order, runs each draw a small number of
 times in all rather than again from the start for every block. A remembered state (5 KB for the CPU generator) is
 dropped when every draw between it and the next remembered one has been materialized, or is dead (overwritten
 before anything reads it): no replay would start there. The state after the last draw stays, for replays to the end.
+
+Note [Reaching a draw by jumping]
+MT19937 can be moved ahead by any number of outputs without drawing them (``mt19937.jumped_state``: drawing raw
+outputs below five million, a polynomial jump of milliseconds above), and ``draws`` knows how many outputs each
+random operation takes, checked against torch at the first use of each kind of call. So the draws between a known
+state and the one a replay needs are added up and jumped over at once: materializing a head after the body came from
+a checkpoint, or the last block of a model, costs about what its own draws cost, not the whole stream before them.
+A draw ``draws`` does not model (``trunc_normal_``'s rejection sampling, ``randperm``, an opaque init), or whose
+count depends on the state (the Box-Muller pairs of small ``normal_`` calls, which read the cached normal), is run
+as before, after the jump to it. States are remembered only where the generator really is.
 """
 
 from __future__ import annotations
@@ -42,6 +53,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from modattrs._deferred import draws
+from modattrs._deferred.mt19937 import jumped_state
 from modattrs._deferred.record import DeferredInitError, Point, Position, Record, draws_on_cpu, scratch_arguments
 from modattrs._torch_private import FakeTensor, disable_current_modes
 
@@ -55,6 +68,7 @@ _point_state: torch.Tensor | None = None
 _point_epoch = 0
 _tags: WeakIdKeyDictionary = WeakIdKeyDictionary()  # state tensor handed out by get_rng_state -> the point then
 _suspended = 0  # while replays set the generator to states of their own, the position is not theirs to change
+_META = torch.device("meta")
 
 
 # --- where eager code would be ----------------------------------------------------------------------------------------
@@ -233,6 +247,7 @@ class Walk:
         self.live: int | None = None  # the generator holds the state after the first `live` operations
         self._resolve = resolve
         self._scratch: dict[int, torch.Tensor] = {}  # memory the draws it runs without keeping write into
+        self._outputs: dict[int, int | None] = {}  # by draw: see _outputs_of
 
     def is_draw(self, index: int) -> bool:
         position = bisect.bisect_left(self.draws, index)
@@ -264,17 +279,39 @@ class Walk:
                 _set_state(self._start())
             # else: a reset at `start`, set below
         ops = self.record.ops
+        behind = 0  # outputs the generator has yet to move by: jumped over together, not drawn
         for index in self.draws[bisect.bisect_left(self.draws, start) : bisect.bisect_left(self.draws, count)]:
             op = ops[index]
             if op.reset is not None:
+                behind = 0
                 _set_state(self._reset_of(index))
-            elif index not in self.states:
+            elif behind == 0 and index not in self.states:
                 self.states[index] = real_state()
             if op.default_dtype is not torch.get_default_dtype():
                 torch.set_default_dtype(op.default_dtype)
+            outputs = self._outputs_of(index)
+            if outputs is not None:
+                behind += outputs
+                continue
+            if behind:
+                _set_state(jumped_state(real_state(), behind))
+                behind = 0
             args, kwargs = op.arguments(scratch_arguments(op, self.device, self._scratch), self.device)
             op.func(*args, **kwargs)
+        if behind:
+            _set_state(jumped_state(real_state(), behind))
         self.live = count
+
+    def _outputs_of(self, index: int) -> int | None:
+        """How many outputs of the generator the draw at ``index`` takes, when that does not depend on the state
+        and ``draws`` models it; else None, and the draw is run (see Note [Reaching a draw by jumping])."""
+        if index not in self._outputs:
+            op = self.record.ops[index]
+            args, kwargs = op.arguments(scratch_arguments(op, _META), self.device)
+            found = draws.pattern(op.func, args, kwargs)
+            modelled = found is not None and found.kind is not draws.PAIRS  # PAIRS: counts depend on the state
+            self._outputs[index] = found.outputs(real_state()) if modelled and found is not None else None
+        return self._outputs[index]
 
     def finish(self) -> None:
         """Remember where the replay got to, and forget the states no later replay would start from: those followed,
