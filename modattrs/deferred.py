@@ -31,6 +31,7 @@ from modattrs._deferred.recorder import (
     recording,
     recording_in_this_thread,
 )
+from modattrs._deferred.replay import state_after
 from modattrs._devices import as_device
 from modattrs._names import callable_name
 from modattrs._torch_private import (
@@ -57,6 +58,9 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
     The module returned holds fake tensors on the devices the code asked for and can be inspected, moved,
     converted, sharded and initialized further like any fake module; all of that is recorded too, until
     :func:`materialize_module` makes its tensors real.
+
+    When it returns, the default CPU generator is where eager construction leaves it, so code that draws next
+    gets eager code's numbers; later initialization of the module's tensors moves it as eager code would.
 
     Raises:
         DeferredInitError: the code reads values of its tensors (``.item()``, ``if t.any():``), which do not exist
@@ -87,6 +91,7 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
             ref_of(label, tensor)  # every fake one is accounted for now, not found missing at materialization
     record.root = weakref.ref(module)
     roots[module] = mode
+    generator.settle(record, state_after)  # the generator where eager construction leaves it, from now on
     return module
 
 
@@ -112,9 +117,8 @@ def materialize_module(
     Tensors that alias a chosen one (views of one storage) are materialized with it, so they stay aliased.
 
     Replays draw from the default CPU generator what eager construction drew, from where eager code had it when
-    :func:`deferred_init` began, so every materialization draws the same numbers. Materializing all of what
-    :func:`deferred_init` returned (no ``check_fn``, not ``buffers_only``) leaves the generator where eager code
-    would have it after that module's last draw; a partial materialization puts it back as it found it.
+    :func:`deferred_init` began, so every materialization draws the same numbers, and put the generator back as
+    they found it: it has been where eager code has it since :func:`deferred_init` returned.
 
     The tensors are real whatever mode is active: a fake mode, another dispatch mode, or the recording of an
     enclosing :func:`deferred_init`, are stepped out of for the replay. Replaying never changes the record, so a

@@ -110,11 +110,12 @@ def eager_and_materialized(build: Callable[[], nn.Module], seed: int = 0) -> tup
     """``build()`` eagerly and through deferred_init + materialize_module, from one seed; checks the generator."""
     torch.manual_seed(seed)
     eager = build()
+    torch.rand(100)
     state_after_eager = torch.get_rng_state()
     torch.manual_seed(seed)
     deferred = deferred_init(build)
     assert is_deferred(deferred)
-    torch.rand(100)  # draws in between do not change what materializing gives
+    torch.rand(100)  # draws in between come after the module's, as in eager code, and change none of its values
     materialize_module(deferred)
     assert not is_deferred(deferred)
     assert torch.equal(torch.get_rng_state(), state_after_eager)
@@ -404,10 +405,11 @@ def test_a_real_tensor_changed_after_being_recorded_raises_and_leaves_the_module
 def test_partial_materialization_gives_the_eager_values_of_what_it_chose(chosen: set[str]) -> None:
     torch.manual_seed(0)
     eager = tiny_llama(tied=False)
+    torch.rand(99)
     state_after_eager = torch.get_rng_state()
     torch.manual_seed(0)
     deferred = deferred_init(tiny_llama, tied=False)
-    torch.rand(99)  # draws in between change nothing
+    torch.rand(99)  # draws in between come after the model's, as in eager code, and change none of its values
     state_before = torch.get_rng_state()
     names = {module: name for name, module in deferred.named_modules()}
     in_chosen = lambda name: any(name == c or name.startswith(c + ".") for c in chosen)  # noqa: E731

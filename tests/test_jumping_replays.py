@@ -140,3 +140,36 @@ def test_draws_that_cannot_be_jumped_over_are_run_and_the_rest_jumped_with_eager
     for name, tensor in expected.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
     assert torch.equal(torch.default_generator.get_state(), after_eager)
+
+
+def test_code_that_draws_before_materializing_gets_the_numbers_eager_code_gets() -> None:
+    torch.manual_seed(0)
+    eager = Model()
+    eager.head = nn.Linear(64, 5)  # a new head, as timm's reset_classifier makes
+    order = torch.randperm(10)
+    after_eager = torch.default_generator.get_state()
+
+    torch.manual_seed(0)
+    model = deferred_init(Model)
+    model.head = nn.Linear(64, 5)  # real: drawn from the generator deferred_init left where eager code leaves it
+    assert torch.equal(model.head.weight, eager.head.weight)
+    assert torch.equal(torch.randperm(10), order)
+    materialize_module(model)
+
+    for name, tensor in eager.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    assert torch.equal(torch.default_generator.get_state(), after_eager)  # materializing left the generator alone
+
+
+def test_initialization_of_a_deferred_module_moves_the_generator_as_eager_initialization_does() -> None:
+    torch.manual_seed(1)
+    eager = Model()
+    nn.init.normal_(eager.head.weight)
+    drawn_after = torch.rand(4)
+
+    torch.manual_seed(1)
+    model = deferred_init(Model)
+    nn.init.normal_(model.head.weight)  # recorded: the deferred weight gets eager's values when materialized
+    assert torch.equal(torch.rand(4), drawn_after)
+    materialize_module(model)
+    assert torch.equal(model.head.weight, eager.head.weight)

@@ -244,10 +244,11 @@ def test_replaying_a_record_twice_a_copy_then_part_then_all_gives_eager_values_a
     build: Callable[[], nn.Module],
 ) -> None:
     expected = eager(build, seed=3)
+    torch.rand(10)
     after_eager = torch.get_rng_state()
     module = deferred(build, seed=3)
     twin = copy.deepcopy(module)
-    torch.rand(10)  # draws in between change nothing
+    torch.rand(10)  # draws in between come after the module's, as in eager code, and change none of its values
     materialize_module(twin)
     materialize_module(module, check_fn=lambda sub: sub is first_with_tensors(module))
     materialize_module(module)

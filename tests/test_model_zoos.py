@@ -140,3 +140,19 @@ def test_transformers_models_reading_drop_path_rates_build_fake_and_defer_bit_id
     assert {t.device for t in model.state_dict().values()} == {torch.device("cuda", 0)}
 
     assert_defers_bit_identically(build)
+
+
+@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "convnext_atto"])
+def test_a_timm_head_reset_before_materializing_is_the_eager_models(name: str) -> None:
+    torch.manual_seed(0)
+    eager = timm_model(name)()
+    eager.reset_classifier(5)
+    after_eager = torch.default_generator.get_state()
+    torch.manual_seed(0)
+    deferred = deferred_init(timm_model(name))
+    deferred.reset_classifier(5)  # draws a new head for real, from where eager construction left the generator
+    materialize_module(deferred)
+
+    expected, got = eager.state_dict(), deferred.state_dict()
+    assert [key for key in expected if not torch.equal(expected[key], got[key])] == []
+    assert torch.equal(torch.default_generator.get_state(), after_eager)

@@ -185,6 +185,7 @@ steps = st.lists(
 def eager_mixed() -> tuple[dict[str, Tensor], Tensor]:
     torch.manual_seed(0)
     model = Mixed()
+    torch.rand(5)  # what the test draws between deferred_init and materializing
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}, torch.get_rng_state()
 
 
@@ -194,7 +195,7 @@ def test_materializing_in_any_order_and_mix_gives_the_eager_values_and_generator
     expected, state_after_eager = eager_mixed()
     torch.manual_seed(0)
     model = deferred_init(Mixed)
-    torch.rand(5)  # draws in between change nothing
+    torch.rand(5)  # draws in between come after the model's, as in eager code, and change none of its values
     state_before = torch.get_rng_state()
     for step in steps:
         apply(model, step)

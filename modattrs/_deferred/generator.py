@@ -21,7 +21,16 @@ CPU, eager code would have drawn from the reseeded CPU generator.
 
 Replays. To run a draw as eager code did, a replay needs the generator's state right before it: it sets the
 nearest state it knows at or before that point and moves the generator over the draws in between, by jumping where
-it can (Note [Reaching a draw by jumping]) and otherwise by running them on scratch tensors of the same layout,
+it can (Note [The generator where eager code has it]
+When ``deferred_init`` returns, and after each draw recorded later (initialization of a deferred module), the real
+generator is put where eager code would have it: past every draw of the record, by a jump over what ``draws``
+counts and by running on scratch tensors what it does not (``trunc_normal_``, ``randperm``: as a replay to the end
+would). Code that draws before materializing (a new head, a data order, a dropout mask) then gets eager code's
+numbers, and a record so settled is replayed without touching the generator: a full materialization leaves it
+where it finds it, which is where eager code has it. Until then (while ``deferred_init`` records, and for a
+record drawn into from inside another ``deferred_init``) the position is a point, as described above.
+
+Note [Reaching a draw by jumping]) and otherwise by running them on scratch tensors of the same layout,
 freed at once. The states it knows: the one recording began from, the
 resets noted, the one it holds after the draw it ran last, and the states that earlier replays of the record passed
 through and remembered. So materializing a model block by block, in any order, runs each draw a small number of
@@ -215,10 +224,21 @@ def drew(record: Record) -> None:
     """
     with lock:
         point = (record, len(record.ops))
-        record.point, record.point_epoch = point, epoch
+        record.point, record.point_epoch, record.settled = point, epoch, False
         with disable_current_modes():  # on the CPU whatever the default device (its generator is the one)
             torch.empty((), dtype=torch.float32, device="cpu").random_()
         move_to(point)
+
+
+def settle(record: Record, state_after: Resolve) -> None:
+    """Put the real generator where eager code has it after ``record``'s draws, if it is at the record's point
+    (nothing reseeded it since the last draw); see Note [The generator where eager code has it]."""
+    with lock:
+        if position() is record.point and not isinstance(record.point, torch.Tensor):
+            _set_state(state_after(record.point))
+            _forget_point_of(record)  # the real state now is what the point stood for
+            record.states.pop("", None)  # what working it out passed: replays jump from the start as cheaply
+        record.settled = True
 
 
 def reset_for_other_device(record: Record) -> torch.Tensor | None:
@@ -363,7 +383,8 @@ def replaying(record: Record, device: torch.device | None, resolve: Resolve, *, 
     draws, and the generator stays there.
     """
     with lock:
-        keep = to_end and (position() is record.point or epoch == record.point_epoch)
+        # A settled record's draws are behind the real generator already: whatever drew since is eager code's own.
+        keep = to_end and not record.settled and (position() is record.point or epoch == record.point_epoch)
         with suspended(), disable_current_modes(), torch.no_grad():
             saved = real_state()
             default_dtype = torch.get_default_dtype()

@@ -158,6 +158,8 @@ class Record:
     point: Position  # its position after the record's last draw
     point_epoch: int  # generator.epoch at that draw: a reseed since makes the point history
     epoch: int  # generator.epoch at the record's last draw on another device
+    # Whether the real generator was put past every CPU draw of the record, where eager code has it (generator.settle)
+    settled: bool = False
     # The operations, and how tensors are known:
     ops: list[Op] = field(default_factory=list)
     keys: dict[Key, int] = field(default_factory=dict)  # where a tensor's data would live -> its ref

@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from modattrs._deferred import generator
 from modattrs._deferred.record import Constant, DeferredInitError, Draws, Key, Op, Record, Slot, scratch_arguments
+from modattrs._deferred.replay import state_after
 from modattrs._fake import cuda_guard
 from modattrs._fake.mode import CONSTANT_LIMIT, ModattrsFakeTensorMode
 from modattrs._names import callable_name, where
@@ -326,6 +327,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             op.reset = generator.reset_before_draw(self.record)
             self.record.ops.append(op)
             generator.drew(self.record)
+            if not recording_in_this_thread():  # initialization of a deferred module: as eager code draws, now
+                generator.settle(self.record, state_after)
             return
         elif pending.draws is Draws.DEFAULT:
             op.reset = generator.reset_for_other_device(self.record)

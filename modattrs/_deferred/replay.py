@@ -40,21 +40,21 @@ def replay(
     caller reseeded it since); otherwise the replay stops after the last operation needed and the generator is put
     back as it was.
     """
-    with generator.replaying(record, device, _state_after, to_end=to_end) as walk:
+    with generator.replaying(record, device, state_after, to_end=to_end) as walk:
         kept = _slice(record.ops, targets)
         _check_devices(record.ops, kept, device)
         _refuse_collectives(record.ops, kept, targets, labels)
         env: dict[int, torch.Tensor] = {}
         _run_kept(record.ops, kept, targets, env, device, walk)
-        if to_end:
+        if to_end and not record.settled:  # a settled record's end is where the generator is already
             walk.reach(len(record.ops))
         return {ref: env[ref] for ref in targets}
 
 
-def _state_after(point: Point) -> torch.Tensor:
+def state_after(point: Point) -> torch.Tensor:
     """The default CPU generator's state after the first ``count`` operations of ``record`` drew, as in eager code."""
     record, count = point
-    with generator.replaying(record, None, _state_after, to_end=False) as walk:
+    with generator.replaying(record, None, state_after, to_end=False) as walk:
         ops = record.ops[:count]
         _run_kept(ops, _slice(ops, {}), {}, {}, None, walk)  # draws that depend on values run for real
         walk.reach(count)
