@@ -126,10 +126,11 @@ class OwnedAttribute:
         if self._owner_ref is _DETACHED:
             return self._replaced()
         return ReferenceError(
-            f"{type(self).__name__} {self._name!r} has no owner: the module it belonged to was deleted. A "
-            "temporary, as in Model().attr.value, is deleted at once; and copying (copy.deepcopy, pickle, fake_copy) "
-            "a module that holds another module's attribute (an alias) copies that owner too, which nothing else "
-            "holds. Keep a reference to the module while its attributes are used, and copy the module that owns them"
+            f"{type(self).__name__} {self._name!r} has no owner: the module it belonged to was deleted.\n"
+            "A temporary, as in Model().attr.value, is deleted at once.\n"
+            "Copying (copy.deepcopy, pickle, fake_copy) a module that holds another module's attribute (an alias) "
+            "copies that owner too, which nothing else holds.\n"
+            "Keep a reference to the module while its attributes are used, and copy the module that owns them"
         )
 
     def _claim(self, owner: object, name: object) -> tuple[nn.Module, str]:
@@ -271,8 +272,9 @@ def check_names(kind: type[OwnedAttribute], owner: nn.Module, name: object) -> s
     if isinstance(current, OwnedAttribute):
         if not _is_own(current, owner, name):
             raise ValueError(
-                f"cannot create {what} {name!r}: {type(owner).__name__}.{name} is an alias of {current!r}, which is "
-                f"left as it is; delete the alias first (del module.{name}) or choose another name"
+                f"cannot create {what} {name!r}: {type(owner).__name__}.{name} is an alias of another attribute, "
+                f"which is left as it is.\nalias of: {current!r}\n"
+                f"Delete the alias first (del module.{name}) or choose another name"
             )
     elif _occupied(owner, name):
         raise ValueError(

@@ -358,9 +358,10 @@ def snapshot_of(owner: nn.Module, names: tuple[str, ...], attribute: str) -> lis
         current = _table(owner, table).get(name, _MISSING)
         if current is _MISSING:
             raise AttributeError(
-                f"{name!r}, which a VirtualTensor depends on, is no longer a parameter, buffer, submodule or "
-                f"instance attribute of {type(owner).__name__} (was it parametrized or deleted?); recreate "
-                f"VirtualTensor {attribute!r} with the depends_on its module has now"
+                f"VirtualTensor {attribute!r} depends on {name!r}, which is no longer a parameter, buffer, "
+                f"submodule or instance attribute of {type(owner).__name__}.\n"
+                "Was it parametrized or deleted? "
+                f"Recreate VirtualTensor {attribute!r} with the depends_on its module has now"
             )
         if isinstance(current, Tensor):
             # Inference tensors have no version counter (and can be modified in place only in inference mode):

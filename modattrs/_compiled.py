@@ -12,8 +12,9 @@ NAMES = ("bind", "read", "dispatch_unless_compiling", "forward_unless_index", "i
 def stale_build(module: types.ModuleType) -> ImportError:
     """The error for an extension built from another version of the C file, left in a checkout."""
     return ImportError(
-        f"{module.__file__} was built from another version of modattrs/_speedups.c; rebuild it: reinstall "
-        "modattrs (pip install -e . in a checkout)"
+        "modattrs._speedups, the C extension, was built from another version of modattrs/_speedups.c.\n"
+        f"extension: {module.__file__}\n"
+        "Rebuild it: reinstall modattrs (pip install -e . in a checkout)"
     )
 
 

@@ -25,4 +25,4 @@ def as_device(value: object, what: str) -> torch.device:
             return torch.device("cuda", value)
         return torch.device(value)
     except RuntimeError as error:
-        raise ValueError(f"{what}: invalid device {value!r}: {error}") from None
+        raise ValueError(f"{what}: invalid device {value!r}\nreason: {error}") from None

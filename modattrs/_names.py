@@ -57,3 +57,9 @@ def where() -> str:
 def in_library(code: types.CodeType) -> bool:
     """Whether ``code`` is torch's, modattrs' or the standard library's."""
     return code.co_filename.startswith(_LIBRARY_DIRS) or "<frozen" in code.co_filename
+
+
+def load_error(key: str, message: str) -> str:
+    """``message`` about ``key`` as an entry of ``load_state_dict``'s error list, which torch joins with a newline and
+    a tab: the lines after its first indented under it, so that each entry reads as one."""
+    return f"{key}: " + message.replace("\n", "\n\t  ")

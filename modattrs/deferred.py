@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from modattrs import _torch_changes
-from modattrs._deferred import opaque
+from modattrs._deferred import generator, opaque
 from modattrs._deferred.construction import detach_graphs, handed_tensors
 from modattrs._deferred.generator import new_record
 from modattrs._deferred.materialize import materialize, module_tensors, own_tensors_of, recording_mode, ref_of, roots
@@ -69,8 +69,8 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
     """
     if recording_in_this_thread():
         raise DeferredInitError(
-            f"deferred_init({callable_name(module_fn)}) was called while another deferred_init records; build the "
-            "inner module directly: everything inside the outer call is deferred already"
+            f"deferred_init({callable_name(module_fn)}) was called while another deferred_init records.\n"
+            "Build the inner module directly: everything inside the outer call is deferred already"
         )
     _torch_changes.install_deferred()
     record = new_record()
@@ -161,7 +161,7 @@ def _replay_device(device: torch.device | str | int | None) -> torch.device | No
     if parsed.type == "meta":
         raise ValueError(
             f"materialize_module: device={device!r} makes tensors without values, and materializing makes the values "
-            "eager construction gives; pass a device with memory (device='cpu'), or leave the module deferred"
+            "eager construction gives.\nPass a device with memory (device='cpu'), or leave the module deferred"
         )
     # torch puts a tensor asked for on cpu:1 on the CPU, which has no index: so do replays.
     return torch.device("cpu") if parsed.type == "cpu" else parsed

@@ -11,6 +11,7 @@ from torch.autograd.graph import increment_version
 
 from modattrs._attribute import OwnedAttribute, set_persistent, stored_tensor
 from modattrs._module_tensors import parameter_like, without_data
+from modattrs._names import load_error
 from modattrs._torch_private import FakeTensor, buffers_of, non_persistent_buffers_of, parameters_of
 
 __all__ = ["ShapedTensor"]
@@ -97,8 +98,8 @@ class ShapedTensor(OwnedAttribute):
         is_parameter = isinstance(value, nn.Parameter)
         if is_parameter and not persist_data:
             raise ValueError(
-                f"ShapedTensor {name!r}: a parameter is always in the state_dict, so persist_data=False cannot "
-                "hold; pass a plain tensor to store the data as a non-persistent buffer"
+                f"ShapedTensor {name!r}: persist_data=False cannot hold for a parameter, which is always in the "
+                "state_dict.\nPass a plain tensor to store the data as a non-persistent buffer"
             )
 
         self._data_name, self._constraints_key = self._reserved(name)
@@ -346,7 +347,7 @@ class ShapedTensor(OwnedAttribute):
         if _occupied_by_tensor(owner, self._constraints_key):
             # The key is a namesake's, registered after this attribute: it is left to torch to load.
             if self._persist_constraints:
-                error_msgs.append(f"{prefix}{self._name}: {self._namesake_message(owner)}")
+                error_msgs.append(load_error(prefix + self._name, self._namesake_message(owner)))
                 self._keep_data(state_dict, data_key, current)
                 return
             saved = None
@@ -370,8 +371,11 @@ class ShapedTensor(OwnedAttribute):
         if isinstance(loaded, Tensor) and without_data(loaded) and not assign and not without_data(current):
             # torch cannot copy it, and would fail after the constraints were taken: refuse it first.
             error_msgs.append(
-                f"{data_key}: cannot load the saved data: it has no values ({_where(loaded)}) to copy into the "
-                "module's data; load with assign=True, or load a checkpoint with values"
+                load_error(
+                    data_key,
+                    f"cannot load the saved data: it has no values ({_where(loaded)}) to copy into the module's "
+                    "data.\nLoad with assign=True, or load a checkpoint with values",
+                )
             )
             self._keep_data(state_dict, data_key, current)
             return
@@ -410,8 +414,9 @@ class ShapedTensor(OwnedAttribute):
     def _namesake_message(self, owner: nn.Module) -> str:
         return (
             f"ShapedTensor {self._name!r} saves its constraints under the state_dict key {self._constraints_key!r}, "
-            f"and {type(owner).__name__} has a tensor of that name, registered after the attribute; one of them would "
-            "be lost: register that tensor under another name, or set persist_constraints = False"
+            f"and {type(owner).__name__} has a tensor of that name.\n"
+            "That tensor was registered after the attribute, and one of them would be lost.\n"
+            "Register that tensor under another name, or set persist_constraints = False"
         )
 
     @staticmethod

@@ -18,7 +18,7 @@ from modattrs._compiled import speedups as _speedups
 from modattrs._compiled import stale_build
 from modattrs._devices import as_device
 from modattrs._module_tensors import without_data
-from modattrs._names import callable_name
+from modattrs._names import callable_name, load_error
 from modattrs._torch_private import (
     BUFFER_TABLE,
     FakeTensor,
@@ -135,8 +135,8 @@ class VirtualTensor(OwnedAttribute):
         follows = value_dtype.is_floating_point if follow_dtype is None else bool(follow_dtype)
         if follows and not _can_follow(value_dtype):
             raise ValueError(
-                f"VirtualTensor {name!r}: a {value_dtype} value cannot follow the module's dtype, because "
-                "nn.Module conversions only change floating-point and complex tensors; pass follow_dtype=False"
+                f"VirtualTensor {name!r}: a {value_dtype} value cannot follow the module's dtype.\n"
+                "nn.Module conversions only change floating-point and complex tensors: pass follow_dtype=False"
             )
         ref_dtype = value_dtype if follows else torch.get_default_dtype()
         ref = _make_reference(name, ref_dtype, device)
@@ -215,8 +215,8 @@ class VirtualTensor(OwnedAttribute):
         """The materializer's ``result``, checked to be a tensor and converted to ``dtype`` and ``device``."""
         if not isinstance(result, Tensor):
             raise TypeError(
-                f"the materializer {self._materializer_name()} of VirtualTensor {self._name!r} returned "
-                f"{type(result).__name__}, expected a Tensor"
+                f"the materializer of VirtualTensor {self._name!r} returned {type(result).__name__}, expected a "
+                f"Tensor\nmaterializer: {self._materializer_name()}"
             )
         if result.dtype is not dtype or result.device != device:
             result = result.to(device=device, dtype=dtype)
@@ -339,7 +339,7 @@ class VirtualTensor(OwnedAttribute):
         if self._dtype is None and not _can_follow(dtype):
             raise ValueError(
                 f"VirtualTensor {self._name!r} follows the module's dtype, which must be floating-point or "
-                f"complex, got {dtype}; set follow_dtype = False first to fix a non-floating dtype"
+                f"complex, got {dtype}.\nSet follow_dtype = False first to fix a non-floating dtype"
             )
         ref_dtype = dtype if self._dtype is None else ref.dtype
         if ref.device != device or ref.dtype != ref_dtype:
@@ -388,15 +388,18 @@ class VirtualTensor(OwnedAttribute):
         if ref is None:
             return
         if ref.numel():
-            error_msgs.append(f"{prefix}{self._name}: {self._reference_taken(owner, ref)}")
+            error_msgs.append(load_error(prefix + self._name, str(self._reference_taken(owner, ref))))
             return
         incoming = state_dict.get(key)
         if isinstance(incoming, Tensor) and incoming.numel():
             # In swap mode the load would swap it into the reference object, which the hot path knows as checked.
             error_msgs.append(
-                f"{key}: VirtualTensor {self._name!r} keeps its dtype and device in this empty buffer, and the "
-                f"checkpoint has a tensor of {incoming.numel()} elements under its name; it was not saved by "
-                "modattrs: rename that key"
+                load_error(
+                    key,
+                    f"VirtualTensor {self._name!r} keeps its dtype and device in this empty buffer, and the "
+                    f"checkpoint has a tensor of {incoming.numel()} elements under its name.\n"
+                    "It was not saved by modattrs: rename that key",
+                )
             )
             state_dict[key] = ref  # the load fails; meanwhile torch copies this key onto itself
             return
@@ -462,8 +465,8 @@ class VirtualTensor(OwnedAttribute):
         # Changing the attribute would replace that tensor by an empty one, and a load would consume its key.
         return RuntimeError(
             f"VirtualTensor {self._name!r} keeps its dtype and device in an empty buffer, {self._ref_name!r}, and "
-            f"{type(owner).__name__} now has a tensor of {ref.numel()} elements under that name (registered or "
-            "assigned after the attribute); register that tensor under another name"
+            f"{type(owner).__name__} now has a tensor of {ref.numel()} elements under that name.\n"
+            "That tensor was registered or assigned after the attribute: register it under another name"
         )
 
     def _reference_gone(self) -> RuntimeError:
@@ -512,7 +515,7 @@ def _check_materializer(owner: nn.Module, name: str, materializer: object) -> tu
     if isinstance(materializer, types.MethodType) and materializer.__self__ is owner:
         raise TypeError(
             f"VirtualTensor {name!r}: pass the bound method's name, {materializer.__name__!r}, not the method "
-            "itself: it would be called with the owner twice and would keep the owner alive"
+            "itself.\nThe method would be called with the owner twice and would keep the owner alive"
         )
     return None, materializer
 
@@ -536,7 +539,7 @@ def _method_function(cls: type[nn.Module], name: str, method: str) -> Materializ
 def _not_a_method(cls: type[nn.Module], name: str, method: str, found: object) -> str:
     return (
         f"VirtualTensor {name!r}: the materializer {method!r} must name a method of {cls.__name__}, got "
-        f"{type(found).__name__}; pass a callable fn(owner, dtype, device) instead"
+        f"{type(found).__name__}.\nPass a callable fn(owner, dtype, device) instead"
     )
 
 
@@ -638,7 +641,7 @@ def sync_references(
     if dtype is not None and not _can_follow(dtype) and any(attribute.follow_dtype for attribute in pending):
         raise ValueError(
             f"sync_references: VirtualTensors follow the module's dtype, which must be floating-point or complex, "
-            f"got {dtype}; pass a floating dtype, or dtype=None to keep theirs"
+            f"got {dtype}.\nPass a floating dtype, or dtype=None to keep theirs"
         )
     target = as_device(device, "sync_references")
     for attribute in pending:

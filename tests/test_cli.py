@@ -140,7 +140,7 @@ def test_errors_print_one_line_and_exit_non_zero(
     assert message in captured.err
 
 
-def test_without_a_compiler_spoofed_cuda_is_one_line(
+def test_without_a_compiler_spoofed_cuda_is_refused_without_a_traceback_saying_what_to_run_instead(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from modattrs._fake import cuda_guard as _cuda_guard
@@ -149,9 +149,11 @@ def test_without_a_compiler_spoofed_cuda_is_one_line(
     monkeypatch.setattr(_cuda_guard, "_failure", "RuntimeError: Error building extension")
     monkeypatch.setattr(_cuda_guard, "cuda_built", lambda: False)
     assert main(["inspect", "--device", "cuda"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1
-    assert err.startswith("modattrs inspect: error: --device cuda: fake CUDA needs a device guard")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("modattrs inspect: error: --device cuda: fake CUDA needs a device guard")
+    assert lines[1] == "reason: RuntimeError: Error building extension"
+    assert lines[-1] == "Or run with --device cpu or --device meta."
+    assert not any(line.startswith("Traceback") for line in lines)
 
 
 def test_python_dash_m_runs_the_command_and_reports_errors_without_a_traceback() -> None:

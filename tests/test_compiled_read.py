@@ -333,7 +333,8 @@ def test_a_build_of_another_version_of_the_c_file_fails_the_import_saying_to_reb
     """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert result.returncode == 1
-    assert "ImportError: /checkout/modattrs/_speedups.so was built from another version" in result.stderr
+    assert "ImportError: modattrs._speedups, the C extension, was built from another version" in result.stderr
+    assert "\nextension: /checkout/modattrs/_speedups.so\n" in result.stderr
     assert "pip install -e ." in result.stderr
 
 

@@ -592,7 +592,12 @@ def test_without_a_compiler_fake_cuda_says_what_to_do_instead(monkeypatch: pytes
     monkeypatch.setattr(_cuda_guard, "cuda_built", lambda: False)
     monkeypatch.setattr(_cuda_guard, "_build_and_register", no_compiler)
     with (
-        pytest.raises(RuntimeError, match=r"No such file or directory: 'c\+\+'.*meta device.*fake_copy"),
+        pytest.raises(
+            RuntimeError,
+            match=r"^fake CUDA needs a device guard that this CPU-only build of torch lacks, and compiling one at "
+            r"first use failed\.\n"
+            r"reason: FileNotFoundError: .*No such file or directory: 'c\+\+'\n(?s:.*)meta device.*fake_copy",
+        ),
         fake_mode(fake_cuda=True),
     ):
         pass
@@ -619,8 +624,9 @@ def test_on_a_cuda_build_whose_guard_needs_the_driver_without_a_compiler_fake_cu
     with (
         pytest.raises(
             RuntimeError,
-            match=r"CUDA build of torch without a GPU \(FileNotFoundError: .*'c\+\+'\).*install a C\+\+ compiler "
-            r"\(g\+\+\) and ninja.*meta device.*fake_copy",
+            match=r"^fake CUDA could not be set up on this CUDA build of torch without a GPU\.\n"
+            r"reason: FileNotFoundError: .*'c\+\+'\n(?s:.*)\nInstall a C\+\+ compiler \(g\+\+\) and ninja"
+            r"(?s:.*)meta device.*fake_copy",
         ),
         fake_mode(fake_cuda=True),
     ):

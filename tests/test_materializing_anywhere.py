@@ -287,7 +287,9 @@ def test_materializing_right_after_a_caught_value_read_error_works(read: Callabl
     expected = eager(normalized_block)
     with no_garbage_collection():
         module = deferred(normalized_block)
-        with pytest.raises(DeferredInitError, match=r"call modattrs\.deferred\.materialize_module on its module first"):
+        with pytest.raises(
+            DeferredInitError, match=r"\nCall modattrs\.deferred\.materialize_module on its module first"
+        ):
             read(module[0].weight)
         materialize_module(module)
     assert_bit_identical(expected, module)
@@ -337,7 +339,7 @@ def test_materializing_after_a_value_read_error_printed_by_the_interactive_inter
     result = subprocess.run(
         [sys.executable, "-i", "-q"], input=textwrap.dedent(INTERACTIVE), capture_output=True, text=True, timeout=300
     )
-    assert "call modattrs.deferred.materialize_module on its module first" in result.stderr
+    assert "\nCall modattrs.deferred.materialize_module on its module first" in result.stderr
     assert "other tensors hold it" not in result.stderr, result.stderr[-3000:]
     assert "deferred: False" in result.stdout
 
@@ -395,7 +397,7 @@ def test_any_device_torch_accepts_materializes_there_or_says_why_not_naming_the_
         materialize_module(module, device=device)
     except (DeferredInitError, ValueError) as error:
         message = str(error)
-        assert message.startswith("materialize_module: ") or "pass device='cpu'" in message, message
+        assert message.startswith("materialize_module: ") or "pass device='cpu'" in message.lower(), message
         assert repr(device) in message or str(torch.device(device)) in message, message
         assert "bug in modattrs" not in message
         assert is_deferred(module)

@@ -167,8 +167,9 @@ def test_register_opaque_init_refuses_a_builtin_saying_to_wrap_it_in_a_python_fu
     with pytest.raises(TypeError) as raised:
         register_opaque_init(owner, name)
     message = str(raised.value)
-    assert message.startswith("register_opaque_init needs a Python function whose signature can be read")
-    assert f"{owner.__name__}.{name}" in message
+    assert message.startswith("register_opaque_init: ")
+    assert f"{owner.__name__}.{name} is a " in message.splitlines()[0]
+    assert "\nIt needs a Python function whose signature can be read" in message
     assert "wrap it in a Python function" in message
     assert "recorded already" in message
     assert inspect.getattr_static(owner, name) is stored  # torch is as it was

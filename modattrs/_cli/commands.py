@@ -30,7 +30,7 @@ DEFAULT_TARGET = "modattrs._cli.default_model:Decoder"
 
 
 class UsageError(Exception):
-    """A problem with what the user asked for: reported as one line, without a traceback."""
+    """A problem with what the user asked for: reported without a traceback, on one line unless it is long."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -133,12 +133,12 @@ def inspect(target: str, kwargs: Sequence[str], device_name: str, dtype_name: st
         try:
             _torch_changes.install_fake_cuda()
         except RuntimeError as error:
-            raise UsageError(f"--device {device_name}: {error} Or run with --device cpu or --device meta.") from None
+            raise UsageError(f"--device {device_name}: {error}\nOr run with --device cpu or --device meta.") from None
     try:
         return _build_and_measure(target, factory, keywords, device, dtype, spoof_cuda, gpu)
     except UsageError:
         raise
-    except (Exception, SystemExit) as error:  # whatever the target's code raises: one line, no traceback
+    except (Exception, SystemExit) as error:  # whatever the target's code raises: its message, no traceback
         raise UsageError(f"{target}({_show(keywords)}) failed: {type(error).__name__}: {error}") from None
 
 

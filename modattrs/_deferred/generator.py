@@ -158,7 +158,7 @@ def restoring(func: Callable[..., None]) -> Callable[..., None]:
         if isinstance(new_state, FakeTensor):
             raise DeferredInitError(
                 "torch.set_rng_state was given a fake tensor: a generator state copied (.clone()) while deferred_init "
-                "records is fake. Put back the tensor torch.get_rng_state returned, unchanged, or use fork_rng"
+                "records is fake.\nPut back the tensor torch.get_rng_state returned, unchanged, or use fork_rng"
             )
         with lock:
             # Only tensors are tagged (and can be held weakly): anything else is torch's to refuse.

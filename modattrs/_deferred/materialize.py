@@ -147,8 +147,8 @@ def _check_swappable(tensors: list[tuple[str, FakeTensor]]) -> None:
         mode.forget(tensor)
         if weakref.getweakrefcount(tensor):
             raise DeferredInitError(
-                f"{label} cannot be made real in place: something holds a weak reference to it "
-                "(torch.utils.swap_tensors refuses such tensors); drop the weak reference first"
+                f"{label} cannot be made real in place: something holds a weak reference to it.\n"
+                "torch.utils.swap_tensors refuses such tensors: drop the weak reference first"
             )
         # A fake view holds its base twice (the view's and its meta tensor's view information); the views are
         # swapped first and let go of it.
@@ -157,8 +157,10 @@ def _check_swappable(tensors: list[tuple[str, FakeTensor]]) -> None:
             _let_go_of_errors_read_values()
         if use_count(tensor) > allowed:
             raise DeferredInitError(
-                f"{label} cannot be made real in place: other tensors hold it (a view of it outside the module, or "
-                "the autograd graph of a fake forward pass whose outputs are still alive); drop them first"
+                f"{label} cannot be made real in place: other tensors hold it, such as\n"
+                "- a view of it outside the module\n"
+                "- the autograd graph of a fake forward pass whose outputs are still alive\n"
+                "Drop them first"
             )
 
 
@@ -196,7 +198,7 @@ def _swap(swaps: list[tuple[str, FakeTensor, Tensor]]) -> None:
             torch.utils.swap_tensors(tensor, twin)  # type: ignore[no-untyped-call]
         except RuntimeError as error:  # checked for before: not expected
             raise DeferredInitError(
-                f"{label} could not be made real in place ({error}); the tensors listed before it were"
+                f"{label} could not be made real in place; the tensors listed before it were.\nreason: {error}"
             ) from error
         del twin  # now the fake half: let go of it, and of the base it may hold
         restore_hooks(tensor, hooks)  # they live on the tensor's autograd data, which the swap replaced
@@ -208,8 +210,10 @@ def _real_twin(label: str, fake: FakeTensor, real: Tensor, device: torch.device 
     on = fake.device if device is None else device
     if got != expected or not _same_device(real.device, on):
         raise DeferredInitError(
-            f"replaying {label} gave a tensor of (shape, strides, dtype) {got} on {real.device}, expected "
-            f"{expected} on {on}; this is a bug in modattrs, please report it"
+            f"replaying {label} gave a tensor of another (shape, strides, dtype) or device than recorded.\n"
+            f"expected: {expected} on {on}\n"
+            f"got: {got} on {real.device}\n"
+            "This is a bug in modattrs, please report it"
         )
     twin: Tensor
     if isinstance(fake, nn.Parameter):
@@ -239,23 +243,25 @@ def ref_of(label: str, tensor: FakeTensor) -> int:
     ref = mode.ref_of(tensor)
     if ref is None and tensor.untyped_storage().device.type != "meta":
         raise DeferredInitError(
-            f"{label} had its data replaced by a real tensor (`.data = real`), which no operation records; assign a "
-            "new parameter or buffer instead, or copy_ the values in"
+            f"{label} had its data replaced by a real tensor (`.data = real`), which no operation records.\n"
+            "Assign a new parameter or buffer instead, or copy_ the values in"
         )
     if ref is None:
         raise DeferredInitError(
-            f"{label} ({tuple(tensor.shape)}, {tensor.dtype}) is fake, and no recorded operation made a tensor with "
-            "its storage and layout; it was likely built from another fake tensor without a torch operation "
-            "(torch.Tensor._make_subclass); make it with torch operations"
+            f"{label} is fake, and no recorded operation made a tensor with its storage and layout.\n"
+            f"shape and dtype: {tuple(tensor.shape)}, {tensor.dtype}\n"
+            "It was likely built from another fake tensor without a torch operation (torch.Tensor._make_subclass).\n"
+            "Make it with torch operations"
         )
     return ref
 
 
 def _not_recorded(label: str) -> DeferredInitError:
     return DeferredInitError(
-        f"{label} is a fake tensor that no deferred_init recorded: fake_mode or fake_copy made it, outside "
-        "deferred_init or in a fake_mode block inside the function deferred_init records, so there is nothing to "
-        "replay for it; build it inside the deferred_init call without fake_mode, or assign a real tensor"
+        f"{label} is a fake tensor that no deferred_init recorded, so there is nothing to replay for it.\n"
+        "fake_mode or fake_copy made it, outside deferred_init or in a fake_mode block inside the function "
+        "deferred_init records.\n"
+        "Build it inside the deferred_init call without fake_mode, or assign a real tensor"
     )
 
 

@@ -27,8 +27,10 @@ def register(owner: object, name: str, mutates: int) -> None:
     parameters = list(_signature(owner, name, func).parameters.values())
     if not 0 <= mutates < len(parameters) or parameters[mutates].kind not in _POSITIONAL:
         raise ValueError(
-            f"register_opaque_init: mutates is the index of the positional argument {callable_name(owner)}.{name} "
-            f"writes into; it takes {[p.name for p in parameters if p.kind in _POSITIONAL]}, got {mutates}"
+            "register_opaque_init: mutates must be the index of the positional argument "
+            f"{callable_name(owner)}.{name} writes into.\n"
+            f"positional arguments: {[p.name for p in parameters if p.kind in _POSITIONAL]}\n"
+            f"got: mutates={mutates}"
         )
     setattr(owner, name, _opaque_attribute(owner, name, func, mutates, parameters[mutates].name))
 
@@ -41,10 +43,10 @@ def _signature(owner: object, name: str, func: Callable[..., Any]) -> inspect.Si
         return inspect.signature(func)
     except (TypeError, ValueError) as error:  # builtins without a text signature: torch's operations, mostly
         raise TypeError(
-            "register_opaque_init needs a Python function whose signature can be read, to find the argument it "
-            f"writes into; {callable_name(owner)}.{name} is a {type(func).__name__} without one.\n"
+            f"register_opaque_init: {callable_name(owner)}.{name} is a {type(func).__name__} without a signature to "
+            "read.\nIt needs a Python function whose signature can be read, to find the argument it writes into.\n"
             "To record a builtin as one call, wrap it in a Python function that takes the tensor it writes into and "
-            "register that. torch's own operations (torch.rand, Tensor.uniform_, ...) are recorded already, one "
+            "register that.\ntorch's own operations (torch.rand, Tensor.uniform_, ...) are recorded already, one "
             "operation each, and need no registering"
         ) from error
 
@@ -63,8 +65,8 @@ def _opaque_attribute(owner: object, name: str, func: Callable[..., Any], mutate
         return _opaque_wrapper(func, mutates, keyword)
     raise TypeError(
         f"register_opaque_init: {callable_name(owner)}.{name} is a {type(stored).__name__}, a descriptor whose "
-        "binding the wrapper cannot reproduce; it must be a staticmethod, a classmethod or a function (or a callable "
-        "object that does not bind). Register a function it calls instead"
+        "binding the wrapper cannot reproduce.\nIt must be a staticmethod, a classmethod or a function (or a "
+        "callable object that does not bind).\nRegister a function it calls instead"
     )
 
 

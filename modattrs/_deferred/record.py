@@ -128,9 +128,9 @@ class Op:
             if version_of(tensor) != constant.version:
                 raise DeferredInitError(
                     f"a real tensor ({tuple(tensor.shape)}, {tensor.dtype}) given to {self.name} while recording "
-                    "was changed in place since; the recorded "
-                    "result would differ from what eager construction computed. Leave tensors handed to a deferred "
-                    "module unchanged until it is materialized"
+                    "was changed in place since.\n"
+                    "The recorded result would differ from what eager construction computed.\n"
+                    "Leave tensors handed to a deferred module unchanged until it is materialized"
                 )
             if self.opaque or address_of(tensor.untyped_storage()) in copies:
                 flat[constant.index] = _on_copy(tensor, device, copies)

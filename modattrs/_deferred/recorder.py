@@ -83,9 +83,10 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             self._make_fake_cuda_possible()
         except RuntimeError as error:
             raise DeferredInitError(
-                f"{callable_name(func)} asks for a CUDA device ({where()}), which this build of torch lacks: "
-                f"deferred_init makes fake CUDA tensors then, and cannot here. {error} Or build the module for the "
-                "CPU: materialized, its values are those of eager construction on the CPU either way"
+                f"{callable_name(func)} asks for a CUDA device, which this build of torch lacks: deferred_init makes "
+                f"fake CUDA tensors then, and cannot here.\nwhere: {where()}\n{error}\n"
+                "Or build the module for the CPU: materialized, its values are those of eager construction on the CPU "
+                "either way"
             ) from error
 
     def __torch_dispatch__(
@@ -114,16 +115,18 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             except (UnsupportedFakeTensorException, UnsupportedOperatorException) as error:
                 if isinstance(func, OpOverload) and func.namespace == "c10d":
                     raise DeferredInitError(
-                        f"{callable_name(func)} ({where()}) is a collective that would send data between ranks "
-                        "while deferred (distribute_tensor and parallelize_module send rank 0's values unless "
-                        "given src_data_rank=None), and this torch cannot run it on fake tensors. Pass "
-                        "src_data_rank=None to parallelize_module or distribute_tensor: every rank's deferred module "
-                        "holds the same values, so each rank cuts its own part without communication. Or "
-                        "materialize_module first, then parallelize"
+                        f"{callable_name(func)} is a collective that would send data between ranks while deferred, "
+                        f"and this torch cannot run it on fake tensors.\nwhere: {where()}\n"
+                        "distribute_tensor and parallelize_module send rank 0's values unless given "
+                        "src_data_rank=None.\n"
+                        "Pass src_data_rank=None to parallelize_module or distribute_tensor: every rank's deferred "
+                        "module holds the same values, so each rank cuts its own part without communication.\n"
+                        "Or materialize_module first, then parallelize"
                     ) from error
                 raise DeferredInitError(
-                    f"{callable_name(func)} cannot run on fake tensors ({where()}): {error}. deferred_init records on "
-                    "fake tensors; build this part outside deferred_init and hand it in real"
+                    f"{callable_name(func)} cannot run on fake tensors, and deferred_init records on fake tensors.\n"
+                    f"where: {where()}\nreason: {error}\n"
+                    "Build this part outside deferred_init and hand it in real"
                 ) from error
             finally:
                 self._depth.n = 0
@@ -225,9 +228,10 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 isinstance(value, torch.Tensor) and value.layout is not torch.strided
             ):
                 raise DeferredInitError(
-                    f"{callable_name(func)} was given a {type(value).__name__} ({where()}); deferred_init records "
-                    "strided tensors only, not storages (set_ with a storage; copy.deepcopy of a view at an offset) "
-                    "or sparse tensors: do this after materialize_module"
+                    f"{callable_name(func)} was given a {type(value).__name__}, and deferred_init records strided "
+                    f"tensors only.\nwhere: {where()}\n"
+                    "It records no storages (set_ with a storage; copy.deepcopy of a view at an offset) and no sparse "
+                    "tensors.\nDo this after materialize_module"
                 )
             if isinstance(value, FakeTensor):
                 ref, storage = self._ref_of(value, func)
@@ -318,8 +322,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             if _reads_values(pending):
                 raise DeferredInitError(
                     f"{callable_name(pending.func)} draws from a torch.Generator as many numbers as the values of its "
-                    f"fake inputs say ({where()}), which cannot be known while recording; draw from the default "
-                    "generator or do this after materialize_module"
+                    f"fake inputs say, which cannot be known while recording.\nwhere: {where()}\n"
+                    "Draw from the default generator or do this after materialize_module"
                 )
             op.generator_states = tuple((index, generator.get_state()) for index, generator in pending.generators)
             _advance(op, dict(pending.generators))  # so the generator object ends where eager code leaves it
@@ -349,8 +353,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 continue
             if leaf.layout is not torch.strided:
                 raise DeferredInitError(
-                    f"{callable_name(pending.func)} made a {leaf.layout} tensor ({where()}); deferred_init records "
-                    "strided tensors only: make this one after materialize_module"
+                    f"{callable_name(pending.func)} made a {leaf.layout} tensor, and deferred_init records strided "
+                    f"tensors only.\nwhere: {where()}\nMake this one after materialize_module"
                 )
             device = device or leaf.device
             if pending.viewed is not None:
@@ -372,15 +376,15 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         if tensor.fake_mode is not self:
             raise DeferredInitError(
                 f"{callable_name(func)} was given a fake tensor that this deferred_init did not record (made by "
-                f"another fake mode or another deferred_init call) ({where()}); deferred modules can only be combined "
-                "with tensors made in the same deferred_init call or real ones"
+                f"another fake mode or another deferred_init call).\nwhere: {where()}\n"
+                "Deferred modules can only be combined with tensors made in the same deferred_init call or real ones"
             )
         key = self._key_of(tensor)
         ref = self.record.keys.get(key)
         if ref is None:
             raise DeferredInitError(
                 f"{callable_name(func)} was given a fake tensor ({tuple(tensor.shape)}, {tensor.dtype}) whose making "
-                f"was not recorded ({where()}); make tensors with torch operations inside deferred_init"
+                f"was not recorded.\nwhere: {where()}\nMake tensors with torch operations inside deferred_init"
             )
         return ref, key[0]
 
@@ -458,19 +462,22 @@ _VALUE_READS = {
 
 
 def _needs_values(operation: str) -> DeferredInitError:
-    if operation in _VALUE_OPERATIONS:
-        operation = f"{_VALUE_OPERATIONS[operation]} ({operation})"
+    what, named = operation, ""
+    if operation in _VALUE_OPERATIONS:  # what it is called in Python first, and its schema name on a line of its own
+        what, named = _VALUE_OPERATIONS[operation], f"operation: {operation}\n"
     if recording_in_this_thread():
         return DeferredInitError(
-            f"{operation} needs the values of a fake tensor that is not a construction-time constant (random draw, "
-            f"parameter, empty, or more than {CONSTANT_LIMIT} elements) while deferred_init records ({where()}). "
-            "Values that depend on such data cannot be recorded one operation at a time: move this code "
-            "after materialize_module, or record the function doing it as one call with "
+            f"{what} needs the values of a fake tensor that is not a construction-time constant.\n"
+            f"{named}where: {where()}\n"
+            f"not constants: random draws, parameters, empty tensors, tensors of more than {CONSTANT_LIMIT} elements\n"
+            "deferred_init records one operation at a time, and cannot record values that depend on such data.\n"
+            "Move this code after materialize_module, or record the function doing it as one call with "
             "modattrs.deferred.register_opaque_init"
         )
     error = DeferredInitError(
-        f"{operation} needs the values of a deferred tensor, which has none until it is materialized ({where()}): "
-        "call modattrs.deferred.materialize_module on its module first"
+        f"{what} needs the values of a deferred tensor, which has none until it is materialized.\n"
+        f"{named}where: {where()}\n"
+        "Call modattrs.deferred.materialize_module on its module first"
     )
     value_read_errors.add(error)
     return error
@@ -532,12 +539,14 @@ class _Real(NamedTuple):
 def _writes_real(func: Callable[..., Any], real: _Real) -> DeferredInitError:
     given = real.name or "tensor"
     return DeferredInitError(
-        f"{callable_name(func)} writes in place into {real.text} ({where()}): eager code would change that real "
-        "tensor, which deferred_init did not make and cannot change (its fake tensors have no values to write), so "
-        "the materialized module would differ from eager construction. Hand the constructor a copy made inside the "
-        f"function deferred_init records, e.g. deferred_init(lambda: Model({given}.clone())): the copy is recorded "
-        f"with its changes, and {given} stays as it is. Or change the tensor before deferred_init, or after "
-        "materialize_module"
+        f"{callable_name(func)} writes in place into a real tensor, which deferred_init did not make and cannot "
+        f"change.\ntensor: {real.text}\nwhere: {where()}\n"
+        "Eager code would change that real tensor; its fake tensors have no values to write, so the materialized "
+        "module would differ from eager construction.\n"
+        "Hand the constructor a copy made inside the function deferred_init records, e.g. "
+        f"deferred_init(lambda: Model({given}.clone())).\n"
+        f"The copy is recorded with its changes, and {given} stays as it is.\n"
+        "Or change the tensor before deferred_init, or after materialize_module"
     )
 
 

@@ -143,8 +143,9 @@ def _check_devices(ops: list[Op], kept: Iterable[int], device: torch.device | No
             except Exception as error:  # torch's errors for a device it knows but cannot use are of many kinds
                 reason = str(error).split("\n")[0]
                 raise DeferredInitError(
-                    f"materializing needs real tensors on {where} and this machine cannot make them there "
-                    f"({type(error).__name__}: {reason}); pass device='cpu' to materialize on the CPU instead"
+                    f"materializing needs real tensors on {where} and this machine cannot make them there.\n"
+                    f"reason: {type(error).__name__}: {reason}\n"
+                    "Pass device='cpu' to materialize on the CPU instead"
                 ) from None
     for index in kept:
         op = ops[index]
@@ -153,7 +154,7 @@ def _check_devices(ops: list[Op], kept: Iterable[int], device: torch.device | No
             if device is not None and device.type != generator_device.type:
                 raise DeferredInitError(
                     f"{op.name} drew from a torch.Generator on {generator_device} while recording, which cannot "
-                    f"draw on {device}; materialize without device= (on the devices it was recorded for)"
+                    f"draw on {device}.\nMaterialize without device= (on the devices it was recorded for)"
                 )
 
 
@@ -175,12 +176,13 @@ def _refuse_collectives(
         filled = op.writes | {slot.storage for slot in op.slots if slot.ref in op.out_refs}
         label = next((labels[ref] for ref, storage in targets.items() if storage in filled), None)
         raise DeferredInitError(
-            f"{label or next(iter(labels.values()))} cannot be materialized: its values come from {op.name}, a "
-            "collective that sent data between ranks while it was deferred (distribute_tensor and "
-            "parallelize_module send rank 0's values unless given src_data_rank=None), and a replay cannot run "
-            "collectives. Pass src_data_rank=None to parallelize_module or distribute_tensor: every rank's "
-            "deferred module holds the same values, so each rank cuts its own part without communication. Or "
-            "materialize_module first, then parallelize"
+            f"{label or next(iter(labels.values()))} cannot be materialized: its values come from a collective.\n"
+            f"collective: {op.name}\n"
+            "A replay cannot run collectives; this one sent data between ranks while the tensor was deferred.\n"
+            "distribute_tensor and parallelize_module send rank 0's values unless given src_data_rank=None.\n"
+            "Pass src_data_rank=None to parallelize_module or distribute_tensor: every rank's deferred module holds "
+            "the same values, so each rank cuts its own part without communication.\n"
+            "Or materialize_module first, then parallelize"
         )
 
 

@@ -186,8 +186,8 @@ def _reach(outputs: tuple[Tensor | GradientEdge, ...]) -> tuple[list[Tensor], di
         if is_reentrant_checkpoint(node):
             raise RuntimeError(
                 "a backward pass through torch.utils.checkpoint with use_reentrant=True cannot be simulated for "
-                "spoofed CUDA (its parameters are not in the graph until backward runs the forward again); pass "
-                "use_reentrant=False"
+                "spoofed CUDA.\nIts parameters are not in the graph until backward runs the forward again.\n"
+                "Pass use_reentrant=False"
             )
         variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
         if isinstance(variable, Tensor):

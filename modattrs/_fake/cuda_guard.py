@@ -106,18 +106,21 @@ def require() -> None:
                 _failure = f"{type(error).__name__}: {error}"
         if cuda_built():
             raise RuntimeError(
-                f"fake CUDA could not be set up on this CUDA build of torch without a GPU ({_failure}). On torch "
-                "releases whose CUDA device guard calls the driver (2.8, for one), modattrs compiles a fake one at "
-                "first use: install a C++ compiler (g++) and ninja (pip install ninja) and restart Python, or use a "
-                "newer torch; without them, build the model on the meta device (with torch.device('meta')) to "
-                "inspect it, or make a fake CPU twin with modattrs.fake.fake_copy(model)."
+                "fake CUDA could not be set up on this CUDA build of torch without a GPU.\n"
+                f"reason: {_failure}\n"
+                "On torch releases whose CUDA device guard calls the driver (2.8, for one), modattrs compiles a fake "
+                "one at first use.\n"
+                "Install a C++ compiler (g++) and ninja (pip install ninja) and restart Python, or use a newer torch.\n"
+                "Without them, build the model on the meta device (with torch.device('meta')) to inspect it, or make "
+                "a fake CPU twin with modattrs.fake.fake_copy(model)."
             )
         raise RuntimeError(
-            "fake CUDA needs a device guard that this CPU-only build of torch lacks; modattrs compiles one at first "
-            f"use, and that failed ({_failure}). Install a C++ compiler (g++) and ninja (pip install ninja) and "
-            "restart Python to use fake CUDA tensors; without them, "
-            "build the model on the meta device (with torch.device('meta')) to inspect it, or make a fake CPU "
-            "twin with modattrs.fake.fake_copy(model)."
+            "fake CUDA needs a device guard that this CPU-only build of torch lacks, and compiling one at first use "
+            "failed.\n"
+            f"reason: {_failure}\n"
+            "Install a C++ compiler (g++) and ninja (pip install ninja) and restart Python to use fake CUDA tensors.\n"
+            "Without them, build the model on the meta device (with torch.device('meta')) to inspect it, or make "
+            "a fake CPU twin with modattrs.fake.fake_copy(model)."
         )
 
 

@@ -712,20 +712,23 @@ _READS = {"aten._local_scalar_dense.default": ".item(), .tolist(), int(), float(
 
 #: What a construction-time constant is, for messages (deferred_init's too).
 CONSTANTS_EXPLAINED = (
-    "Fake tensors keep their values only as construction-time constants: made in fake mode from Python numbers "
-    "(torch.tensor, arange, linspace, full, zeros, ...) and from other constants by operations that draw no random "
-    f"numbers, with at most {CONSTANT_LIMIT} elements, and not written since by anything else (a random fill, a "
-    "parameter, empty)"
+    "Fake tensors keep their values only as construction-time constants, which are\n"
+    "- made in fake mode from Python numbers (torch.tensor, arange, linspace, full, zeros, ...) or from other "
+    "constants by operations that draw no random numbers\n"
+    f"- of at most {CONSTANT_LIMIT} elements\n"
+    "- not written since by anything else (a random fill, a parameter, empty)"
 )
 
 
 def _clear(shape: bool, func: Any) -> Exception:
     name = str(func)
-    what = f"{_READS[name]} ({name})" if name in _READS else name
+    what, named = name, ""
+    if name in _READS:  # what it is called in Python first, and its schema name on a line of its own
+        what, named = _READS[name], f"operation: {name}\n"
     needs = "the values, which give its output's shape," if shape else "the values"
     made = (FakeShapeError if shape else FakeValueError)(func)
     made.message = (
-        f"{what} needs {needs} of a fake tensor that has none ({where()}).\n{CONSTANTS_EXPLAINED}. Compute this "
-        "value from Python numbers, or outside fake mode"
+        f"{what} needs {needs} of a fake tensor that has none.\n{named}where: {where()}\n{CONSTANTS_EXPLAINED}\n"
+        "Compute this value from Python numbers, or outside fake mode"
     )
     return made

@@ -83,7 +83,7 @@ class GPU:
         if self.total_memory <= 0 or self.multi_processor_count <= 0 or self.major < 0 or self.minor < 0:
             raise ValueError(
                 f"GPU {self.name!r}: total_memory and multi_processor_count must be positive and major and minor "
-                f"at least 0, got total_memory={self.total_memory}, multi_processor_count="
+                f"at least 0.\ngot: total_memory={self.total_memory}, multi_processor_count="
                 f"{self.multi_processor_count}, major={self.major}, minor={self.minor}"
             )
         for field in fields(self):
@@ -313,7 +313,9 @@ def _requested(device: Any, function: str, *, optional: bool = True) -> int:
         try:
             parsed = torch.device(device)
         except RuntimeError as error:
-            raise ValueError(f"torch.cuda.{function}: {error}; expected a CUDA device, got {device!r}") from None
+            raise ValueError(
+                f"torch.cuda.{function}: expected a CUDA device, got {device!r}\nreason: {error}"
+            ) from None
         if parsed.type != "cuda":
             raise ValueError(f"torch.cuda.{function}: expected a CUDA device, got {parsed}")
         if parsed.index is not None:
@@ -332,7 +334,7 @@ def _checked(spoof: Spoof, index: int, function: str) -> int:
     if not 0 <= index < spoof.device_count:
         raise ValueError(
             f"torch.cuda.{function}: cuda:{index} is not one of the {spoof.device_count} spoofed devices (cuda:0 to "
-            f"cuda:{spoof.device_count - 1}); ask for more with fake_mode(fake_cuda=True, device_count=N)"
+            f"cuda:{spoof.device_count - 1}).\nAsk for more with fake_mode(fake_cuda=True, device_count=N)"
         )
     return index
 
@@ -352,8 +354,8 @@ def _select(spoof: Spoof, index: int, function: str) -> int:
     if index != _CURRENT:
         raise NotImplementedError(
             f"torch.cuda.{function}: cuda:{index} cannot be made the current device: spoofed CUDA's current device "
-            f"stays cuda:{_CURRENT}, and tensors made for 'cuda' without an index would not follow. Name the device "
-            f"instead: 'cuda:{index}', torch.device('cuda', {index}) or device={index}"
+            f"stays cuda:{_CURRENT}.\nTensors made for 'cuda' without an index would not follow.\n"
+            f"Name the device instead: 'cuda:{index}', torch.device('cuda', {index}) or device={index}"
         )
     return _CURRENT
 
