@@ -73,9 +73,11 @@ Only torch and the standard library are used (no numpy).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -235,8 +237,27 @@ def _advance_by_polynomial(parsed: _Parsed) -> torch.Tensor:
         return _with_position(parsed, parsed.left - parsed.outputs, parsed.next + parsed.outputs, parsed.words)
     beyond = parsed.outputs - in_block  # >= 1 outputs from the twisted blocks
     blocks, last = divmod(beyond - 1, _N)  # the output lands in twisted block `blocks + 1`, at index `last`
-    words = _twisted(parsed.words, blocks + 1)
+    with _one_thread():
+        words = _twisted(parsed.words, blocks + 1)
     return _with_position(parsed, _N - last, last + 1, words)
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch's intra-op thread count at 1 while a jump runs, then as it was. The jump's FFTs are small (20,000 to
+    40,000 points): spread over threads they wait on each other, 4 to 6 times slower with 2 threads on a machine
+    that has other work (12 ms against 47 to 125 ms for 2^24 outputs, measured here). The count is process-wide,
+    so torch code running in other threads during those milliseconds runs on one thread too; its results are the
+    same."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _twisted(words: torch.Tensor, blocks: int) -> torch.Tensor:
