@@ -226,3 +226,18 @@ def test_jumping_works_on_the_cpu_whatever_the_default_device_is(jump: Jump) -> 
     with torch.device("meta"):
         jumped = jump(start, 10**6 + 7)
     assert torch.equal(jumped, drawn_state(start, 10**6 + 7))
+
+
+def test_jumps_in_several_threads_at_once_leave_torchs_thread_count_as_it_was() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        state = torch.Generator().manual_seed(3).get_state()
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            jumped = list(pool.map(lambda k: mt19937.advance_by_polynomial(state, k), [10**7 + k for k in range(8)]))
+        assert torch.get_num_threads() == 2
+        assert torch.equal(jumped[3], mt19937.advance_by_polynomial(state, 10**7 + 3))
+    finally:
+        torch.set_num_threads(threads)

@@ -77,6 +77,7 @@ import contextlib
 import functools
 import operator
 import struct
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -244,20 +245,30 @@ def _advance_by_polynomial(parsed: _Parsed) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _one_thread() -> Iterator[None]:
-    """torch's intra-op thread count at 1 while a jump runs, then as it was. The jump's FFTs are small (20,000 to
+    """torch's intra-op thread count at 1 while jumps run, then as it was. The jump's FFTs are small (20,000 to
     40,000 points): spread over threads they wait on each other, 4 to 6 times slower with 2 threads on a machine
     that has other work (12 ms against 47 to 125 ms for 2^24 outputs, measured here). The count is process-wide,
-    so torch code running in other threads during those milliseconds runs on one thread too; its results are the
-    same."""
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
+    so torch code running in other threads during those milliseconds runs on one thread too (its results are the
+    same), and jumps in several threads at once share one saved count: the last to finish puts it back."""
+    global _jumping, _threads_before
+    with _threads_lock:
+        if _jumping == 0:
+            _threads_before = torch.get_num_threads()
+            if _threads_before != 1:
+                torch.set_num_threads(1)
+        _jumping += 1
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        with _threads_lock:
+            _jumping -= 1
+            if _jumping == 0 and _threads_before != 1:
+                torch.set_num_threads(_threads_before)
+
+
+_threads_lock = threading.Lock()
+_jumping = 0  # jumps running, in any thread
+_threads_before = 1  # the thread count when the first of them began
 
 
 def _twisted(words: torch.Tensor, blocks: int) -> torch.Tensor:
