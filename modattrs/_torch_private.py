@@ -38,6 +38,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedFakeTensorException,
     UnsupportedOperatorException,
+    init_gpu_context,
     unset_fake_temporarily,
 )
 
@@ -97,14 +98,26 @@ def call_as_meta(mode: FakeTensorMode, func: Callable[..., torch.Tensor], *args:
 
 
 #: Whether FakeTensor normalizes devices in a function of its own (2.13, 2.15); torch 2.8 does it inline in the
-#: constructor, and :func:`wrap_meta` is not used there.
+#: constructor, and :func:`normalize_fake_device` takes its steps there.
 NORMALIZES_FAKE_DEVICE_APART: bool = hasattr(FakeTensor, "_normalize_fake_device")
 
 
 def normalize_fake_device(device: torch.device) -> torch.device:
-    """The device a FakeTensor made for ``device`` reports (``cuda`` becomes ``cuda:N``). Checked on 2.13, 2.15."""
-    normalized: torch.device = FakeTensor._normalize_fake_device(device)
-    return normalized
+    """The device a FakeTensor made for ``device`` reports (``cuda`` becomes ``cuda:N``), with what making one does
+    first (a GPU context initialized on a machine with a GPU). torch's own function on 2.13 and 2.15; on 2.8, the
+    steps its constructor takes inline, copied. Checked on 2.8, 2.13, 2.15."""
+    if NORMALIZES_FAKE_DEVICE_APART:
+        normalized: torch.device = FakeTensor._normalize_fake_device(device)
+        return normalized
+    if device.type in ("cuda", "xpu"):
+        init_gpu_context(device)
+    accelerators = ("cuda", "hpu", "xpu", "mps", torch._C._get_privateuse1_backend_name())
+    if device.type in accelerators and device.index is None:
+        backend = getattr(torch, device.type)
+        if device.type != "mps" and backend.is_initialized():
+            return torch.device(device.type, backend.current_device())
+        return torch.device(device.type, 0)
+    return device
 
 
 def fake_tensor_attributes(fake: FakeTensor) -> dict[str, Any]:
@@ -114,14 +127,14 @@ def fake_tensor_attributes(fake: FakeTensor) -> dict[str, Any]:
 
 
 #: The name under which a FakeTensor holds its device (see fake_tensor_attributes).
-FAKE_DEVICE_ATTRIBUTE = "_fake_device"
+FAKE_DEVICE_ATTRIBUTE = "_fake_device" if NORMALIZES_FAKE_DEVICE_APART else "fake_device"
 
 
 def wrap_meta(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device, attributes: dict[str, Any]) -> FakeTensor:
     """A FakeTensor of ``mode`` for a fresh meta tensor, made as torch's constructor makes it (``_make_subclass``,
     and the flag that refuses access to its data pointer) with ``attributes`` that the constructor set on an earlier
     one. The constructor checks its arguments, normalizes the device twice and sets its attributes through
-    descriptors: a third of the time a model takes to build in fake mode. No public API; checked on 2.13, 2.15."""
+    descriptors: a third of the time a model takes to build in fake mode. No public API; checked on 2.8 to 2.15."""
     made = torch.Tensor._make_subclass(
         FakeTensor, meta, meta.requires_grad, dispatch_device=True, device_for_backend_keys=device
     )

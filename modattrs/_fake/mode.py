@@ -42,7 +42,6 @@ from modattrs._fake import cuda_guard, spoofed_cuda
 from modattrs._names import where
 from modattrs._torch_private import (
     FAKE_DEVICE_ATTRIBUTE,
-    NORMALIZES_FAKE_DEVICE_APART,
     TO_COPY,
     DataDependentOutputException,
     DisableTorchDispatch,
@@ -284,11 +283,8 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         descriptors: a third of the time a model takes to build in fake mode. Past the first fake tensor on a
         device, this makes the tensor as that constructor does and copies the first one's attributes, all None but
         the device (see ``_torch_private.wrap_meta``). While exporting, in torch's fake tensor debug mode, or if torch
-        sets an attribute to anything else, it calls the constructor, and always on a torch whose constructor
-        normalizes the device inline (2.8).
+        sets an attribute to anything else, it calls the constructor.
         """
-        if not NORMALIZES_FAKE_DEVICE_APART:
-            return FakeTensor(self, meta, device)
         device = _normalized(device)
         attributes = self._fake_attributes.get(device)
         if attributes is None or FakeTensorConfig.debug or torch.compiler.is_exporting():
@@ -412,7 +408,8 @@ def _plain_fake(tensor: object, mode: FakeTensorMode) -> bool:
 # view of a constant always qualifies). An operation on constants runs twice: the fake one as before with the
 # constants hidden from torch (whose own propagation would make CPU fakes where CUDA ones belong, and memoize them
 # under weak references), and the real one on the CPU. A write with anything that is not a constant, a random
-# operation, or a view that cannot hold the values makes the constant and its aliases forget their values.
+# operation, or a view that cannot hold the values makes the constant and its aliases forget their values. A deep copy
+# of a constant holds a copy of its values (``copy_constant_first``).
 
 
 def _factory(
@@ -685,6 +682,24 @@ def _storage(tensor: torch.Tensor) -> int:
     # The constant's real storage; a storage of no bytes is shared by nothing that matters.
     storage = tensor.untyped_storage()
     return storage.data_ptr() if storage.nbytes() else -id(tensor)
+
+
+def copy_constant_first(fake: torch.Tensor, memo: dict[int, Any]) -> None:
+    """Before ``copy.deepcopy`` copies ``fake``: a copy of its constant, made outside every mode, in ``memo``.
+
+    torch's ``Tensor.__deepcopy__`` copies a fake by ``clone()``, then deep-copies its ``__dict__``, constant
+    included, with the modes still active; there the deep copy of a real tensor makes a fake to set the copied
+    storage into, and fails (while recording, deferred_init refuses the storage). Found in the memo, the constant
+    is not copied again. Each copy has values of its own, as it has a fake storage of its own.
+    """
+    if type(fake) is not FakeTensor or id(fake) in memo or not isinstance(fake.fake_mode, ModattrsFakeTensorMode):
+        return
+    constant = fake.constant
+    if constant is None or id(constant) in memo:
+        return
+    with DisableTorchFunction(), DisableTorchDispatch():
+        memo[id(constant)] = constant.clone()
+    memo.setdefault(id(memo), []).append(constant)  # copy's keep-alive list: the id stays the constant's
 
 
 # --- what is still refused -------------------------------------------------------------------------------------------
