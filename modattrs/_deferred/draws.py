@@ -11,7 +11,9 @@ caller then runs it as it is, drawing through it). A ``Pattern`` answers, for a 
 - ``draw(state, start, stop)``: those elements, bit for bit what the whole operation would put there, computed by
   jumping (``mt19937.jumped_state``) to the first output they need and running the same kernel on a scratch tensor
   just big enough, with a private generator (never the default one);
-- ``state_after(state)``: the generator's state after the whole operation.
+- ``state_after(state)``: the generator's state after the whole operation;
+- ``draw_into(out, state, threads)``: the whole result written into ``out``, by up to ``threads`` threads at once
+  (below), and the state after it.
 
 Elements are counted in the result's memory order: the order of increasing storage offset, the order in which torch's
 kernels fill them (``TensorIterator`` sorts the dimensions by stride, and the vectorized ``normal_`` path writes a
@@ -63,6 +65,26 @@ Threads: every CPU random kernel above locks the generator and runs serially (``
 loops); results and states were measured equal with 1 and 2 intra-op threads on tensors of 300,300 elements (well
 past the parallel grain sizes), on all three builds.
 
+Filling in parallel: eager code draws a random operation on one core. ``draw_into`` splits the result, in memory
+order, into ranges that threads fill at once, each from a private generator jumped to its range's first output, and
+writes what the operation writes, bit for bit (torch's kernels release the GIL). Boundaries fall anywhere for
+``SERIAL``, on blocks of 16 for ``BLOCKS`` (the last range begins on a block and holds the redrawn last 16: run on
+that range, the kernel redraws them from the same outputs), on pairs for ``PAIRS`` (counting the cached normal as
+element 0). ``SERIAL`` and ``BLOCKS`` ranges are drawn straight into ``out``'s memory, through views of it;
+``PAIRS`` ones on scratch tensors on the scalar path, then copied in (a range of a non-contiguous result can be
+contiguous, and the kernel would take the block path on it). Each range after the first pays for a jump, which costs
+about what drawing 5M outputs costs (``JUMP_COST``: 11 to 15 ms for these distances on an idle machine, 20 to 25 ms
+under load, against 2.2 to 4.2 ns an output), so the first range, which needs none, draws that many outputs more than
+each of the others, and each of the others draws at least that many: below 15M outputs (15M float32 uniforms or
+normals, 7.5M float64 ones) or with one thread the operation runs once, on ``out``. That threshold counts outputs,
+not time, so it is conservative for kernels that spend more per output (``normal_``'s transforms, ``PAIRS``). The
+threads are kept from call to call (a new thread's first jump costs about 90 ms more, setting up OpenMP and MKL) and
+take torch's intra-op thread count. Measured (``benchmarks/parallel_draws.py``, torch 2.13, float32, 2 cores shared
+with other jobs): 2 threads take 1.07 to 1.4 times the CPU of the whole operation on one, mostly the jump; when the
+second core was free (two halves at once 1.9x as fast as the whole), 2 threads were 1.33x as fast on 20M uniforms and
+1.8x on 100M normals, and from the CPU times of each part, 2 idle cores would give 1.35x to 1.7x on 20M elements and
+1.8x to 1.9x on 100M; when it was not, 2 threads were up to 1.4x slower (the jump's extra CPU).
+
 Not modelled (``pattern`` returns ``None``; the caller draws through the operation as today):
 
 - operations not listed above: ``randperm``, ``multinomial``, ``bernoulli_`` with a tensor ``p``, ``bernoulli``,
@@ -106,17 +128,21 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import struct
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final
 
 import torch
 
-from modattrs._deferred.mt19937 import jumped_state
+from modattrs._deferred.mt19937 import DRAWING_CROSSOVER, jumped_state
+from modattrs._torch_private import FakeTensor
 
-__all__ = ["BLOCKS", "PAIRS", "SERIAL", "Pattern", "pattern"]
+__all__ = ["BLOCKS", "JUMP_COST", "PAIRS", "SERIAL", "Pattern", "pattern"]
 
 #: Element ``i`` reads outputs ``[k i, k i + k)``.
 SERIAL: Final = "serial"
@@ -143,14 +169,21 @@ _CACHE_VALID: Final = 5040
 _CACHE_END: Final = 5044
 _BLOCK: Final = 16
 
+#: What a jump costs, counted in outputs drawn in that time: a polynomial jump takes about as long as drawing
+#: ``mt19937.DRAWING_CROSSOVER`` outputs (where ``jumped_state`` switches from drawing to jumping), on a loaded machine
+#: as on an idle one. ``Pattern.draw_into`` splits a result so that each range after the first draws at least this
+#: many outputs (the module docstring has the measurements).
+JUMP_COST: Final = DRAWING_CROSSOVER
+
 
 @dataclass(frozen=True)
 class Pattern:
     """How one random operation reads torch's CPU generator, and its result from any state.
 
-    ``numel`` and ``dtype`` are the result's; ``kind`` is ``SERIAL``, ``BLOCKS`` or ``PAIRS``; ``per_draw`` the
-    outputs one element (``SERIAL``) or one uniform (``BLOCKS``) takes, 4 for a pair (``PAIRS``); ``tail_output``
-    the first output of the redrawn last 16 elements (``BLOCKS`` with ``numel % 16 != 0``, else ``None``).
+    ``numel``, ``dtype``, ``shape`` and ``strides`` are the result's; ``kind`` is ``SERIAL``, ``BLOCKS`` or
+    ``PAIRS``; ``per_draw`` the outputs one element (``SERIAL``) or one uniform (``BLOCKS``) takes, 4 for a pair
+    (``PAIRS``); ``tail_output`` the first output of the redrawn last 16 elements (``BLOCKS`` with
+    ``numel % 16 != 0``, else ``None``); ``fill`` the operation's kernel, run in place on a tensor with a generator.
     """
 
     op: _Op  # the overload asked about
@@ -160,6 +193,8 @@ class Pattern:
     per_draw: int
     tail_output: int | None
     fill: _Fill  # the operation's kernel on a scratch tensor, with the given generator
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
 
     def outputs(self, state: torch.Tensor) -> int:
         """The 32-bit outputs the whole operation consumes from ``state`` (the state right before it)."""
@@ -235,6 +270,55 @@ class Pattern:
         self.fill(_pairs_scratch(fresh - 2 * last_pair, self.dtype), generator)
         return generator.get_state()
 
+    def draw_into(
+        self, out: torch.Tensor, state: torch.Tensor, threads: int, *, jump_cost: int = JUMP_COST
+    ) -> torch.Tensor:
+        """Write into ``out`` what the whole operation writes there from ``state``, on up to ``threads`` threads,
+        and return the generator's state after it (what ``state_after(state)`` gives).
+
+        ``out`` is a real CPU tensor of the pattern's ``dtype``, ``shape`` and ``strides`` (those of dimensions of
+        size 1 aside); its memory is written outside autograd, as ``nn.init`` writes under ``no_grad``. Neither
+        ``state`` nor the default generator changes. Too few outputs for the threads (below) or ``threads=1``:
+        the operation runs once, on ``out``, from ``state``, as eager code runs it. Else the elements, in memory
+        order, are split into ranges, each filled in a thread of its own (the first in the calling thread) by a
+        private generator jumped to the range's first output (``mt19937.jumped_state``): the kernel runs on the
+        range's views of ``out`` (``SERIAL``, and ``BLOCKS`` whose ranges are whole blocks of 16 but the last, which
+        starts on a block and holds the redrawn tail), or on a scratch tensor on the scalar path, copied into them
+        (``PAIRS``, whose ranges begin on a pair). torch's kernels release the GIL while they run.
+
+        How many ranges: a range after the first pays for a jump, about ``jump_cost`` outputs' worth of drawing
+        (``JUMP_COST``), so the first range draws that many outputs more than each of the others, and each of the
+        others draws at least that many (so below ``3 * jump_cost`` outputs there is one range); ``jump_cost=0``
+        splits into ``threads`` ranges of equal size (as far as their boundaries allow), whatever the size. As for
+        ``draw``, call it outside fake and other dispatch modes (the first range runs in the calling thread, the
+        others in threads that have none, in the caller's inference mode).
+
+        Raises ``TypeError`` or ``ValueError``, before writing anything, for an ``out`` that is not such a tensor and
+        for a ``threads`` (``jump_cost``) that is not a positive (non-negative) int; torch's own error for a
+        ``state`` it refuses.
+        """
+        for name, value, least in (("threads", threads, 1), ("jump_cost", jump_cost, 0)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"Pattern.draw_into: `{name}` must be an int, got {value!r}")
+            if value < least:
+                raise ValueError(f"Pattern.draw_into: `{name}` must be at least {least}, got {value}")
+        self._check_out(out)
+        target = out.detach()  # worker threads run with grad mode on, whatever the caller's thread has
+        first = _generator(state)  # torch refuses a bad state here, before anything is written
+        bounds = self._boundaries(state, threads, jump_cost)
+        if len(bounds) == 2:
+            self.fill(target, first)
+            return first.get_state()
+        ranges = list(itertools.pairwise(bounds))
+        pool = _workers(len(ranges) - 1)
+        inference = torch.is_inference_mode_enabled()  # thread-local: the workers take the caller's
+        rest = [pool.submit(self._fill_range_in, inference, target, state, start, stop) for start, stop in ranges[1:]]
+        try:
+            self._fill_range(target, state, *ranges[0], first)
+        finally:
+            last = [future.result() for future in rest][-1]  # every range is written (or has raised) on return
+        return last.get_state()
+
     # --- the three kinds ---------------------------------------------------------------------------------------------
 
     @property
@@ -282,6 +366,78 @@ class Pattern:
             parts.append(scratch[first - 2 * pair :].contiguous())
         return parts
 
+    def _boundaries(self, state: torch.Tensor, threads: int, jump_cost: int) -> list[int]:
+        """Where ``draw_into``'s ranges begin, then ``numel``: ``[0, numel]`` when it does not split."""
+        per_element = 2 if self.kind == PAIRS else self.per_draw  # a pair's 4 outputs make 2 elements
+        if jump_cost == 0:
+            count, lead = threads, 0
+        else:  # the first range draws `lead` elements more; each other range's outputs pay for its jump
+            count, lead = min(threads, self.numel * per_element // jump_cost - 1), jump_cost // per_element
+        if count < 2 or lead >= self.numel:
+            return [0, self.numel]
+        cuts = {self._aligned(state, lead + (self.numel - lead) * i // count) for i in range(1, count)}
+        if self.kind == BLOCKS:  # the last range holds the redrawn tail: at least the last 16 elements
+            cuts = {cut for cut in cuts if cut <= self.numel - _BLOCK}
+        return [0, *sorted(cut for cut in cuts if 0 < cut < self.numel), self.numel]
+
+    def _aligned(self, state: torch.Tensor, element: int) -> int:
+        """The last element at or before ``element`` that a range may begin with."""
+        if self.kind == BLOCKS:
+            return element - element % _BLOCK
+        if self.kind == PAIRS:  # the first element of a pair, counting the cached normal as element 0
+            return element - (element - self._cached(state)) % 2
+        return element
+
+    def _fill_range(
+        self, out: torch.Tensor, state: torch.Tensor, start: int, stop: int, generator: torch.Generator | None = None
+    ) -> torch.Generator:
+        """Write elements ``start`` to ``stop - 1`` (memory order) of the result into ``out``, ``start`` being a
+        boundary ``_aligned`` gives; the private generator that drew them, after them. ``generator``: one already
+        at ``state``, for ``start = 0``."""
+        if generator is None and self.kind == PAIRS and start > 0:  # a pair's first element, drawn afresh
+            pair = (start - self._cached(state)) // 2
+            generator = _generator(_without_cached_normal(jumped_state(state, 4 * pair)))
+        elif generator is None:
+            generator = _generator(state if start == 0 else jumped_state(state, self.per_draw * start))
+        pieces = _pieces(out, start, stop)
+        if self.kind != PAIRS:
+            for piece in pieces:
+                self.fill(piece, generator)
+            return generator
+        scratch = _pairs_scratch(stop - start, self.dtype)  # a piece could be contiguous: the block path
+        self.fill(scratch, generator)
+        taken = 0
+        for piece in pieces:
+            piece.copy_(scratch[taken : taken + piece.numel()].view(piece.shape))
+            taken += piece.numel()
+        return generator
+
+    def _fill_range_in(
+        self, inference: bool, out: torch.Tensor, state: torch.Tensor, start: int, stop: int
+    ) -> torch.Generator:
+        """``_fill_range`` in inference mode or out of it (an inference tensor is written only in it)."""
+        with torch.inference_mode(inference):
+            return self._fill_range(out, state, start, stop)
+
+    def _check_out(self, out: object) -> None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"Pattern.draw_into: `out` must be a torch.Tensor, got {type(out).__name__}")
+        if isinstance(out, FakeTensor) or out.device.type != "cpu" or out.layout != torch.strided:
+            kind = "fake" if isinstance(out, FakeTensor) else f"{out.layout} {out.device}"
+            raise ValueError(
+                f"Pattern.draw_into writes into a real strided CPU tensor; `out` is a {kind} tensor: pass a CPU one"
+            )
+        strides = [(size, stride) for size, stride in zip(self.shape, self.strides, strict=True) if size != 1]
+        got = [(size, stride) for size, stride in zip(out.shape, out.stride(), strict=True) if size != 1]
+        if out.dtype != self.dtype or tuple(out.shape) != self.shape or (self.numel and got != strides):
+            raise ValueError(
+                "Pattern.draw_into: `out` does not have the layout the pattern was made for; pass a tensor of that "
+                f"dtype, shape and strides\n  expected: {self.dtype}, shape {self.shape}, strides {self.strides}\n"
+                f"  got:      {out.dtype}, shape {tuple(out.shape)}, strides {out.stride()}"
+            )
+        if out.is_neg() or out.is_conj():
+            raise ValueError("Pattern.draw_into: `out` is a negated or conjugated view; pass the tensor itself")
+
     def _cached(self, state: torch.Tensor) -> int:
         """1 when the scalar path's first element is the normal cached in ``state``, else 0."""
         return 1 if self.kind == PAIRS and self.numel > 0 and _has_cached_normal(state) else 0
@@ -324,7 +480,10 @@ def pattern(op: object, args: Sequence[object], kwargs: Mapping[str, object] | N
     if chosen is None:
         return None
     kind, per_draw, tail = chosen
-    return Pattern(op, call.layout.numel, call.dtype, kind, per_draw, tail(call.layout.numel), call.fill)
+    layout = call.layout
+    return Pattern(
+        op, layout.numel, call.dtype, kind, per_draw, tail(layout.numel), call.fill, layout.shape, layout.strides
+    )
 
 
 # --- calls -----------------------------------------------------------------------------------------------------------
@@ -334,6 +493,8 @@ def pattern(op: object, args: Sequence[object], kwargs: Mapping[str, object] | N
 class _Layout:
     numel: int
     contiguous: bool
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -459,7 +620,7 @@ def _layout(shape: Sequence[int], strides: Sequence[int]) -> _Layout | None:
     """The layout if its memory order is the order of the dimensions sorted by stride (module docstring)."""
     numel = math.prod(shape)
     if numel == 0:
-        return _Layout(0, True)
+        return _Layout(0, True, tuple(shape), tuple(strides))
     dims = sorted(((stride, size) for size, stride in zip(shape, strides, strict=True) if size != 1), reverse=True)
     for (outer, _), (inner, size) in itertools.pairwise(dims):
         if outer < inner * size:
@@ -471,7 +632,17 @@ def _layout(shape: Sequence[int], strides: Sequence[int]) -> _Layout | None:
         if size != 1:
             contiguous = contiguous and stride == expected
             expected *= size
-    return _Layout(numel, contiguous)
+    return _Layout(numel, contiguous, tuple(shape), tuple(strides))
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides torch gives a contiguous tensor of ``shape``."""
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _dense_strides(shape: Sequence[int], strides: Sequence[int]) -> bool:
@@ -497,7 +668,7 @@ def _factory_layout(bound: dict[str, object], default_dtype: torch.dtype) -> tup
         return None
     if bound["layout"] not in (None, torch.strided):
         return None
-    return dtype, _Layout(math.prod(sizes), True)
+    return dtype, _Layout(math.prod(sizes), True, tuple(sizes), _contiguous_strides(sizes))
 
 
 def _device(device: object, default: torch.device) -> torch.device | None:
@@ -525,7 +696,7 @@ def _like_layout(bound: dict[str, object]) -> tuple[torch.dtype, _Layout] | None
     shape, strides = tuple(tensor.shape), tuple(tensor.stride())
     memory_format = bound["memory_format"]
     if memory_format is torch.contiguous_format:
-        return dtype, _Layout(math.prod(shape), True)
+        return dtype, _Layout(math.prod(shape), True, shape, _contiguous_strides(shape))
     if memory_format in (None, torch.preserve_format) and _dense_strides(shape, strides):
         layout = _layout(shape, strides)
         return None if layout is None else (dtype, layout)
@@ -795,7 +966,7 @@ def _agrees(op: _Op, call: _Call, variant: _Variant) -> bool:
     for shape, strides in _probes(kind, call.layout.contiguous):
         probe = torch.empty_strided(shape, strides, dtype=call.dtype, device="cpu")
         numel = probe.numel()
-        model = Pattern(op, numel, call.dtype, kind, per_draw, tail(numel), call.fill)
+        model = Pattern(op, numel, call.dtype, kind, per_draw, tail(numel), call.fill, shape, strides)
         for state in _probe_states(kind):
             generator = _generator(state)
             call.fill(probe, generator)
@@ -831,6 +1002,32 @@ def _probe_ranges(numel: int) -> list[tuple[int, int]]:
 # --- helpers ---------------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Pool:
+    executor: ThreadPoolExecutor | None = None
+    size: int = 0
+    intra_op: int = 0  # torch.get_num_threads() when the threads started
+    process: int = 0  # a forked child has none of its parent's threads
+
+
+_POOL = _Pool()
+_POOL_LOCK = threading.Lock()
+
+
+def _workers(count: int) -> ThreadPoolExecutor:
+    """Threads for ``draw_into``'s ranges, at least ``count``, kept from call to call: a new thread's first jump
+    costs about 90 ms more (OpenMP and MKL set up their per-thread state). Each thread first asks torch for its
+    intra-op thread count, which sets that thread's OpenMP and MKL counts to torch's setting (else they take every
+    core); a new pool replaces the old one when that setting has changed since, and in a forked child."""
+    intra_op, process = torch.get_num_threads(), os.getpid()
+    with _POOL_LOCK:
+        if _POOL.executor is None or _POOL.size < count or (_POOL.intra_op, _POOL.process) != (intra_op, process):
+            # the old pool's threads end once the calls still using it let it go
+            _POOL.executor = ThreadPoolExecutor(count, "modattrs-draws", initializer=torch.get_num_threads)
+            _POOL.size, _POOL.intra_op, _POOL.process = count, intra_op, process
+        return _POOL.executor
+
+
 def _generator(state: torch.Tensor) -> torch.Generator:
     generator = torch.Generator(device="cpu")
     generator.set_state(state)
@@ -847,6 +1044,43 @@ def _without_cached_normal(state: torch.Tensor) -> torch.Tensor:
     result = state.clone()
     result[_CACHE_START:_CACHE_END] = 0
     return result
+
+
+def _pieces(tensor: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
+    """Views of ``tensor`` (a layout ``_layout`` accepts) that hold its elements ``start`` to ``stop - 1`` in memory
+    order, in that order; each is a box of the dimensions sorted by stride, whose row-major order is its memory order.
+    One view when those elements are evenly spaced in memory (always, for a contiguous tensor)."""
+    dims: list[tuple[int, int]] = []  # (size, stride), innermost first, neighbours merged when evenly spaced
+    for stride, size in sorted(((st, si) for si, st in zip(tensor.shape, tensor.stride(), strict=True) if si != 1)):
+        if dims and stride == dims[-1][0] * dims[-1][1]:
+            dims[-1] = (dims[-1][0] * size, dims[-1][1])
+        else:
+            dims.append((size, stride))
+    dims = dims[::-1] or [(1, 1)]
+    pieces: list[torch.Tensor] = []
+
+    def add(offset: int, level: int, first: int, last: int) -> None:
+        """Elements ``first`` to ``last - 1`` of the box of ``dims[level:]`` at storage offset ``offset``."""
+        inner_dims = dims[level + 1 :]
+        inner = math.prod(size for size, _ in inner_dims)
+        row, head = divmod(first, inner)
+        end, tail = divmod(last, inner)
+        stride = dims[level][1]
+        if row == end:
+            add(offset + row * stride, level + 1, head, tail)
+            return
+        if head:
+            add(offset + row * stride, level + 1, head, inner)
+            row += 1
+        if row < end:
+            sizes = (end - row, *(size for size, _ in inner_dims))
+            pieces.append(tensor.as_strided(sizes, (stride, *(s for _, s in inner_dims)), offset + row * stride))
+        if tail:
+            add(offset + end * stride, level + 1, 0, tail)
+
+    if start < stop:
+        add(int(tensor.storage_offset()), 0, start, stop)
+    return pieces
 
 
 def _pairs_scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
