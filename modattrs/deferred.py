@@ -109,6 +109,7 @@ def materialize_module(
     device: torch.device | str | int | None = None,
     check_fn: Callable[[nn.Module], bool] | None = None,
     buffers_only: bool = False,
+    threads: int | None = None,
 ) -> ModuleT:
     """Make the deferred tensors of ``module`` real, in place, with the values eager construction gives them.
 
@@ -132,6 +133,10 @@ def materialize_module(
         check_fn: called with every submodule (``module`` included); only the own parameters and buffers of
             those it returns true for are materialized, the rest stay fake (torchdistx's rule, which FSDP1 uses).
         buffers_only: materialize buffers (and plain tensor attributes) only.
+        threads: how many threads a large random fill (``normal_``, ``uniform_``, ... of more than 15 million
+            32-bit outputs) is split over, each drawing its own range from a jumped copy of the generator's state:
+            the same values as one thread, faster on a machine with free cores. By default, torch's intra-op thread
+            count (``torch.get_num_threads()``); 1 draws as eager code does.
 
     Returns:
         ``module``.
@@ -150,8 +155,17 @@ def materialize_module(
             if isinstance(tensor, FakeTensor):
                 chosen.setdefault(id(tensor), (label, tensor))
     full = check_fn is None and not buffers_only
-    materialize(list(chosen.values()), module, full=full, device=_replay_device(device))
+    threads = _threads(threads)
+    materialize(list(chosen.values()), module, full=full, device=_replay_device(device), threads=threads)
     return module
+
+
+def _threads(threads: int | None) -> int:
+    if threads is None:
+        return torch.get_num_threads()
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"materialize_module: threads must be a positive int or None (torch's count), got {threads!r}")
+    return threads
 
 
 def _replay_device(device: torch.device | str | int | None) -> torch.device | None:

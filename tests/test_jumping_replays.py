@@ -173,3 +173,35 @@ def test_initialization_of_a_deferred_module_moves_the_generator_as_eager_initia
     assert torch.equal(torch.rand(4), drawn_after)
     materialize_module(model)
     assert torch.equal(model.head.weight, eager.head.weight)
+
+
+class Wide(nn.Module):
+    """A weight large enough (16.8M elements) for its fill to be split over threads, and smaller ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(4096, 4096)  # normal_: 16 at a time
+        self.proj = nn.Linear(4096, 8)  # kaiming_uniform_: one output each
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_materializing_on_any_number_of_threads_gives_the_eager_values_and_generator(threads: int) -> None:
+    torch.manual_seed(5)
+    expected = Wide()
+    after_eager = torch.default_generator.get_state()
+    torch.manual_seed(5)
+    model = deferred_init(Wide)
+
+    materialize_module(model, threads=threads)
+
+    for name, tensor in expected.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    assert torch.equal(torch.default_generator.get_state(), after_eager)
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True])
+def test_a_thread_count_that_is_not_a_positive_int_is_refused_and_leaves_the_module_deferred(threads: object) -> None:
+    model = deferred_init(nn.Linear, 4, 4)
+    with pytest.raises(ValueError, match="threads must be a positive int"):
+        materialize_module(model, threads=threads)  # type: ignore[arg-type]
+    assert is_deferred(model)

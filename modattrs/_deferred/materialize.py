@@ -44,7 +44,12 @@ Chosen = dict[int, tuple[str, FakeTensor]]  # id of a fake tensor -> (its label 
 
 
 def materialize(
-    chosen: list[tuple[str, FakeTensor]], module: nn.Module | None, *, full: bool, device: torch.device | None
+    chosen: list[tuple[str, FakeTensor]],
+    module: nn.Module | None,
+    *,
+    full: bool,
+    device: torch.device | None,
+    threads: int = 1,
 ) -> None:
     """Replay what ``chosen`` needs, record by record, and swap the results in.
 
@@ -53,11 +58,16 @@ def materialize(
     or torch's own, the recording of an enclosing ``deferred_init``) and spoofed CUDA.
     """
     with disable_current_modes(), spoofed_cuda.truthful():
-        _replay_and_swap(chosen, module, full=full, device=device)
+        _replay_and_swap(chosen, module, full=full, device=device, threads=threads)
 
 
 def _replay_and_swap(
-    chosen: list[tuple[str, FakeTensor]], module: nn.Module | None, *, full: bool, device: torch.device | None
+    chosen: list[tuple[str, FakeTensor]],
+    module: nn.Module | None,
+    *,
+    full: bool,
+    device: torch.device | None,
+    threads: int,
 ) -> None:
     root_mode = roots.get(module) if full and module is not None else None
     groups = _by_record(chosen)
@@ -79,7 +89,7 @@ def _replay_and_swap(
             for mode, tensors in groups.values():
                 targets = {refs[key]: mode.storage_of(tensor) for key, (_, tensor) in tensors.items()}
                 labels = {refs[key]: label for key, (label, _) in tensors.items()}
-                reals = replay(mode.record, targets, labels, device=device, to_end=mode is root_mode)
+                reals = replay(mode.record, targets, labels, device=device, to_end=mode is root_mode, threads=threads)
                 for key, (label, tensor) in tensors.items():
                     swaps.append((label, tensor, _real_twin(label, tensor, reals[refs[key]], device)))
         except BaseException:

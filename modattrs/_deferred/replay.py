@@ -14,13 +14,14 @@ generator, the replay asks it to set the state eager code drew from. Operations 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from modattrs._deferred import generator
+from modattrs._deferred import draws, generator
 from modattrs._deferred.record import Copies, DeferredInitError, Op, Point, Record, private_results
-from modattrs._torch_private import OpOverload, tree_flatten
+from modattrs._torch_private import OpOverload, tree_flatten, written_arguments
 
 __all__: list[str] = []
 
@@ -32,6 +33,7 @@ def replay(
     *,
     device: torch.device | None,
     to_end: bool,
+    threads: int = 1,
 ) -> dict[int, torch.Tensor]:
     """Run what the refs in ``targets`` (ref to its storage) need, for real, and return them by ref; ``labels``
     names them for messages.
@@ -45,7 +47,7 @@ def replay(
         _check_devices(record.ops, kept, device)
         _refuse_collectives(record.ops, kept, targets, labels)
         env: dict[int, torch.Tensor] = {}
-        _run_kept(record.ops, kept, targets, env, device, walk)
+        _run_kept(record.ops, kept, targets, env, device, walk, threads)
         if to_end and not record.settled:  # a settled record's end is where the generator is already
             walk.reach(len(record.ops))
         return {ref: env[ref] for ref in targets}
@@ -68,6 +70,7 @@ def _run_kept(
     env: dict[int, torch.Tensor],
     device: torch.device | None,
     walk: generator.Walk,
+    threads: int = 1,
 ) -> None:
     frees = _last_uses(ops, kept, targets)
     copies: Copies = {}
@@ -78,7 +81,7 @@ def _run_kept(
             walk.before(index)
         if op.default_dtype is not torch.get_default_dtype():
             torch.set_default_dtype(op.default_dtype)
-        _run(op, env, device, copies)
+        _run(op, env, device, copies, threads if draws else 1)
         if draws:
             walk.ran(index)
         for ref in frees.get(index, ()):
@@ -195,9 +198,26 @@ def _is_collective(func: object) -> bool:
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
 
 
-def _run(op: Op, env: dict[int, torch.Tensor], device: torch.device | None, copies: Copies) -> None:
+def _filled_on_threads(op: Op, args: Sequence[Any], kwargs: dict[str, Any], threads: int) -> torch.Tensor | None:
+    """A draw from the default CPU generator that fills its first argument in place, run on ``threads`` threads
+    (``draws.Pattern.draw_into``: the same values, each thread drawing its own range from a jumped copy of the
+    state), and the generator moved past it; None, and nothing done, for any other operation."""
+    if not isinstance(op.func, OpOverload) or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    if 0 not in (index for index, _ in written_arguments(op.func)):
+        return None
+    found = draws.pattern(op.func, args, kwargs)
+    if found is None:
+        return None
+    torch.default_generator.set_state(found.draw_into(args[0], generator.real_state(), threads))
+    return args[0]
+
+
+def _run(op: Op, env: dict[int, torch.Tensor], device: torch.device | None, copies: Copies, threads: int = 1) -> None:
     args, kwargs = op.arguments({slot.index: env[slot.ref] for slot in op.slots}, device, copies=copies)
-    result = op.func(*args, **kwargs)
+    result = _filled_on_threads(op, args, kwargs, threads) if threads > 1 else None
+    if result is None:
+        result = op.func(*args, **kwargs)
     if op.opaque:
         return  # an initializer that wrote into its argument, which env holds already
     leaves = [result] if isinstance(result, torch.Tensor) else tree_flatten(result)[0]
