@@ -29,7 +29,7 @@ import torch
 
 from modattrs._deferred import generator
 from modattrs._fake import backward, cuda_guard, spoofed_cuda
-from modattrs._fake.mode import ModattrsFakeTensorMode
+from modattrs._fake.mode import ModattrsFakeTensorMode, copy_constant_first
 from modattrs._torch_private import (
     ENGINE_ENTRY,
     ENGINE_ENTRY_OWNERS,
@@ -67,7 +67,7 @@ _filters: list[Any] = []  # the entries added to warnings.filters
 
 
 def install() -> None:
-    """Make the base changes (1, 2, 3, 5), once; every ``fake_mode`` entry and ``deferred_init`` call comes here."""
+    """Make the base changes (1, 2, 3, 5, 9), once; every ``fake_mode`` entry and ``deferred_init`` call comes here."""
     global _base
     if _base:  # no lock once done
         return
@@ -98,6 +98,10 @@ def install() -> None:
         #    tensor, whose memory numpy then reads: real.numpy() and np.asarray(real) gave garbage, silently. Inside
         #    modattrs' fake modes a real tensor's numpy() runs outside them and returns its data, as tolist() does.
         _replace(torch.Tensor, "numpy", _numpy_of_real_tensors)
+        # 9. copy.deepcopy of a fake tensor deep-copies its __dict__ with the modes active, and the constant kept
+        #    there (a real tensor) cannot be deep-copied inside a fake mode (timm's pruned models copy BatchNorms):
+        #    FakeTensor gets a __deepcopy__ of its own, which copies a constant outside the modes first.
+        _replace(FakeTensor, "__deepcopy__", _deepcopy_copying_constants_first)
         _base = True
 
 
@@ -281,6 +285,17 @@ def _numpy_of_real_tensors(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(*args, **kwargs)
 
     return numpy
+
+
+def _deepcopy_copying_constants_first(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __deepcopy__(*args: Any, **kwargs: Any) -> Any:  # as given: torch's method takes and checks them
+        memo = args[1] if len(args) > 1 else kwargs.get("memo")
+        if args and type(memo) is dict:
+            copy_constant_first(args[0], memo)
+        return original(*args, **kwargs)
+
+    return __deepcopy__
 
 
 def _trunc_normal_for_fakes(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

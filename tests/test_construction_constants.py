@@ -4,6 +4,7 @@ builds as it does eagerly; values of random draws and parameters are still refus
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import pytest
@@ -147,6 +148,31 @@ def test_on_the_meta_device_values_are_refused_as_outside_fake_mode() -> None:
         torch.arange(3, device="meta").tolist()
 
 
+def test_a_deep_copy_of_a_module_keeps_the_values_of_its_constant_buffers_on_the_device(device: str) -> None:
+    norm = nn.BatchNorm2d(4)  # running statistics and their count are constants
+    norm.running_mean.add_(torch.arange(4.0))
+
+    copied = copy.deepcopy(norm)  # timm's pruned models copy their blocks so
+
+    assert copied.running_mean.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert copied.running_var.tolist() == [1.0] * 4
+    assert copied.num_batches_tracked.item() == 0
+    assert all(is_fake(t) and t.device.type == device for t in copied.state_dict().values())
+    assert copied.running_mean is not norm.running_mean
+
+
+def test_a_deep_copy_of_a_constant_has_values_of_its_own(device: str) -> None:
+    table = torch.arange(4.0)
+    copied = copy.deepcopy(table)
+    copied.add_(1)
+    table.mul_(2)
+
+    assert copied.tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert table.tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert is_fake(copied)
+    assert copied.device.type == device
+
+
 class _Model(nn.Module):
     """Reads constants while building, as timm models do (drop-path rates, widths), then draws its weights."""
 
@@ -186,6 +212,38 @@ def test_deferred_init_records_reads_of_constants_and_materializes_bit_identical
     )
     assert torch.equal(torch.default_generator.get_state(), eager_state)
     assert hasattr(deferred, "extra")
+
+
+class _Copied(nn.Module):
+    """Deep-copies a block whose buffers are constants, then initializes and reads the copy, as timm's pruned
+    models (``adapt_model_from_string``) do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4))
+        self.first[1].running_mean.add_(torch.arange(4.0))
+        self.second = copy.deepcopy(self.first)
+        nn.init.normal_(self.second[0].weight)
+        self.second[1].running_var.mul_(torch.full((4,), 2.0))
+        self.first[1].running_var.sub_(0.5)
+        self.register_buffer(
+            "read", torch.tensor(self.second[1].running_mean.tolist() + self.second[1].running_var.tolist())
+        )
+
+
+def test_deferred_init_deep_copying_constant_buffers_materializes_bit_identically_generator_included() -> None:
+    torch.manual_seed(0)
+    eager = _Copied()
+    eager_state = torch.default_generator.get_state()
+    torch.manual_seed(0)
+    deferred = deferred_init(_Copied)
+    materialize_module(deferred)
+
+    assert list(deferred.state_dict()) == list(eager.state_dict())
+    assert all(
+        torch.equal(a, b) for a, b in zip(eager.state_dict().values(), deferred.state_dict().values(), strict=True)
+    )
+    assert torch.equal(torch.default_generator.get_state(), eager_state)
 
 
 @pytest.mark.parametrize("refuse", ["random", "parameter", "written"])

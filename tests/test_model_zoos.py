@@ -45,6 +45,7 @@ ARCHITECTURES: list[str] = [
     "tiny_vit_5m_224",
     "crossvit_tiny_240",
     "fastvit_t8",
+    "efficientnet_b1_pruned",  # deep-copies blocks whose BatchNorm buffers are constants
     "resnet18",  # controls: no constants read
     "efficientnet_b0",
 ]
