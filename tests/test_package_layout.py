@@ -333,3 +333,14 @@ def test_public_names_say_a_public_module_they_can_be_imported_from() -> None:
             wrong.append(f"{path}: __module__ is {module!r}")
     assert not wrong, "\n".join(wrong)
     assert {path for path, _ in public_objects()} >= {"modattrs.deferred.DeferredInitError", "modattrs.fake.GPU"}
+
+
+def test_the_command_line_reaches_the_engines_only_through_their_packages_faces() -> None:
+    engine_modules = [
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        if module.startswith("modattrs._cli")
+        for target in targets
+        if target.startswith(("modattrs._fake.", "modattrs._deferred."))
+    ]
+    assert not engine_modules, "\n".join(engine_modules)

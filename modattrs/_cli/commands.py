@@ -20,7 +20,7 @@ from torch import nn
 from modattrs import _torch_changes
 from modattrs._attribute import own_attributes
 from modattrs._devices import as_device
-from modattrs._fake import cuda_guard, spoofed_cuda
+from modattrs._fake import MAX_DEVICES, PRESETS
 from modattrs.shaped import ShapedTensor
 from modattrs.virtual import VirtualTensor
 
@@ -111,7 +111,7 @@ def _parser() -> _Parser:
     inspect.add_argument("--device", default="cpu", help="device to build on, e.g. cpu, cuda, cuda:1 (default: cpu)")
     inspect.add_argument(
         "--gpu",
-        choices=sorted(spoofed_cuda.PRESETS),
+        choices=sorted(PRESETS),
         default="H100",
         help="with --device cuda on a machine without a GPU: the GPU that torch.cuda describes to the model "
         "(default: H100, 80 GB)",
@@ -153,7 +153,7 @@ def _build_and_measure(
 ) -> Report:
     from modattrs.fake import fake_mode  # fake-mode machinery is set up on first use, not at import
 
-    chosen = spoofed_cuda.PRESETS[gpu] if spoof_cuda else None  # a real GPU answers for itself
+    chosen = PRESETS[gpu] if spoof_cuda else None  # a real GPU answers for itself
     with fake_mode(fake_cuda=spoof_cuda, gpu=chosen), torch.device(device):
         torch.empty(0)  # first use of the mode (and of the CUDA guard) before measuring
         before = _peak_mib()
@@ -221,8 +221,8 @@ def _device(name: str) -> torch.device:
         raise UsageError(f"unknown device {name!r}; use cpu, cuda, cuda:N, meta, ...") from None
     if device.type not in ("cpu", "cuda", "meta"):
         raise UsageError(f"device {name!r} is not supported here; use cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available() and (device.index or 0) >= cuda_guard.MAX_DEVICES:
-        raise UsageError(f"device {name!r}: spoofed CUDA has cuda:0 to cuda:{cuda_guard.MAX_DEVICES - 1}")
+    if device.type == "cuda" and not torch.cuda.is_available() and (device.index or 0) >= MAX_DEVICES:
+        raise UsageError(f"device {name!r}: spoofed CUDA has cuda:0 to cuda:{MAX_DEVICES - 1}")
     return device
 
 
