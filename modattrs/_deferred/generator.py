@@ -268,6 +268,7 @@ class Walk:
         self._resolve = resolve
         self._scratch: dict[int, torch.Tensor] = {}  # memory the draws it runs without keeping write into
         self._outputs: dict[int, int | None] = {}  # by draw: see _outputs_of
+        self._patterns: dict[int, draws.Pattern | None] = {}  # by draw: see pattern_of
 
     def is_draw(self, index: int) -> bool:
         position = bisect.bisect_left(self.draws, index)
@@ -322,13 +323,28 @@ class Walk:
             _set_state(jumped_state(real_state(), behind))
         self.live = count
 
+    def skipped(self, index: int) -> None:
+        """Note that the draw at ``index`` was not run (a part of its result was drawn apart, see
+        ``Note [Replaying only the part that is kept]``): the generator holds the state it draws from."""
+        self.live = index
+        self.record.drawn.add(index)
+
+    def pattern_of(self, index: int) -> draws.Pattern | None:
+        """How the operation at ``index`` reads the default CPU generator, if it is a draw from it that ``draws``
+        models; else None."""
+        if not self.is_draw(index):
+            return None
+        if index not in self._patterns:
+            op = self.record.ops[index]
+            args, kwargs = op.arguments(scratch_arguments(op, _META), self.device)
+            self._patterns[index] = draws.pattern(op.func, args, kwargs)
+        return self._patterns[index]
+
     def _outputs_of(self, index: int) -> int | None:
         """How many outputs of the generator the draw at ``index`` takes, when that does not depend on the state
         and ``draws`` models it; else None, and the draw is run (see Note [Reaching a draw by jumping])."""
         if index not in self._outputs:
-            op = self.record.ops[index]
-            args, kwargs = op.arguments(scratch_arguments(op, _META), self.device)
-            found = draws.pattern(op.func, args, kwargs)
+            found = self.pattern_of(index)
             modelled = found is not None and found.kind is not draws.PAIRS  # PAIRS: counts depend on the state
             self._outputs[index] = found.outputs(real_state()) if modelled and found is not None else None
         return self._outputs[index]

@@ -35,6 +35,30 @@ Position = Union[torch.Tensor, Point]  # noqa: UP007 (evaluated at runtime on Py
 Key = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, bool, bool]
 
 
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where a ref's data sits when an operation made it: its storage, and its offset, sizes and strides there, in
+    elements of its dtype."""
+
+    storage: int
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    def extent(self) -> range:
+        """The elements of the storage it spans (empty for a tensor without elements)."""
+        if not all(self.size):
+            return range(self.offset, self.offset)
+        low = self.offset + sum(
+            (size - 1) * stride for size, stride in zip(self.size, self.stride, strict=True) if stride < 0
+        )
+        high = self.offset + sum(
+            (size - 1) * stride for size, stride in zip(self.size, self.stride, strict=True) if stride > 0
+        )
+        return range(low, high + 1)
+
+
 class Draws(enum.Enum):
     """Which generator an operation draws from."""
 
@@ -165,6 +189,7 @@ class Record:
     keys: dict[Key, int] = field(default_factory=dict)  # where a tensor's data would live -> its ref
     storages: dict[int, torch.UntypedStorage] = field(default_factory=dict)  # kept alive: addresses stay unique
     next_ref: int = 0
+    layouts: dict[int, Layout] = field(default_factory=dict)  # ref -> where the operation that made it put it
     root: weakref.ref[torch.nn.Module] | None = None  # what deferred_init returned
     # Per replay device ("" for the recorded devices): the CPU generator's state after the first n operations,
     # remembered by replays that passed there, so that later ones start from the nearest one (see generator).

@@ -27,7 +27,17 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from modattrs._deferred import generator
-from modattrs._deferred.record import Constant, DeferredInitError, Draws, Key, Op, Record, Slot, scratch_arguments
+from modattrs._deferred.record import (
+    Constant,
+    DeferredInitError,
+    Draws,
+    Key,
+    Layout,
+    Op,
+    Record,
+    Slot,
+    scratch_arguments,
+)
 from modattrs._deferred.replay import state_after
 from modattrs._fake import cuda_guard
 from modattrs._fake.mode import CONSTANT_LIMIT, ModattrsFakeTensorMode
@@ -359,13 +369,15 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             device = device or leaf.device
             if pending.viewed is not None:
                 self._real_views.setdefault(self._storage_of(leaf), pending.viewed)
+            key = self._key_of(leaf)
             ref = pending.arg_refs.get(id(leaf))
             if ref is None:
                 ref = record.next_ref
                 record.next_ref += 1
+                record.layouts[ref] = Layout(*key[:5])
             elif id(leaf) in pending.mutated:
-                writes.add(self._storage_of(leaf))  # set_ and resize_ move it to another storage
-            record.keys[self._key_of(leaf)] = ref
+                writes.add(key[0])  # set_ and resize_ move it to another storage
+            record.keys[key] = ref
             out_refs.append(ref)
         if device is None:
             device = next((slot.device for slot in pending.slots if slot.written), None)

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from modattrs._deferred import draws, generator
-from modattrs._deferred.record import Copies, DeferredInitError, Op, Point, Record, private_results
+from modattrs._deferred import draws, generator, windows
+from modattrs._deferred.record import Copies, DeferredInitError, Layout, Op, Point, Record, private_results
 from modattrs._torch_private import OpOverload, tree_flatten, written_arguments
 
 __all__: list[str] = []
@@ -47,7 +47,8 @@ def replay(
         _check_devices(record.ops, kept, device)
         _refuse_collectives(record.ops, kept, targets, labels)
         env: dict[int, torch.Tensor] = {}
-        _run_kept(record.ops, kept, targets, env, device, walk, threads)
+        parts = windows.plan(record, kept, targets, walk.pattern_of, device)
+        _run_kept(record.ops, kept, targets, env, device, walk, threads, parts, record.layouts)
         if to_end and not record.settled:  # a settled record's end is where the generator is already
             walk.reach(len(record.ops))
         return {ref: env[ref] for ref in targets}
@@ -71,19 +72,37 @@ def _run_kept(
     device: torch.device | None,
     walk: generator.Walk,
     threads: int = 1,
+    parts: Mapping[int, windows.Window] | None = None,
+    layouts: Mapping[int, Layout] | None = None,
 ) -> None:
+    """Run the ``kept`` operations in order, keeping their results in ``env`` until their last use; ``parts``: the
+    windows of storages made in part (see ``Note [Replaying only the part that is kept]``)."""
     frees = _last_uses(ops, kept, targets)
     copies: Copies = {}
+    roles: dict[int, list[windows.Window]] = {}
+    for window in (parts or {}).values():
+        for index in window.roles:
+            roles.setdefault(index, []).append(window)
     for index in sorted(kept):
         op = ops[index]
-        draws = walk.is_draw(index)
-        if draws:
-            walk.before(index)
         if op.default_dtype is not torch.get_default_dtype():
             torch.set_default_dtype(op.default_dtype)
-        _run(op, env, device, copies, threads if draws else 1)
-        if draws:
-            walk.ran(index)
+        on = roles.get(index)
+        if on is not None:
+            assert parts is not None
+            assert layouts is not None
+            if not windows.run(op, index, on, parts, env, device, copies, walk, layouts):
+                _run(op, env, device, copies, tensors=windows.window_arguments(op, parts, env))
+            for window in on:
+                if window.last == index:
+                    window.tensor = window.make = None  # what reads it holds views of it
+        else:
+            draws = walk.is_draw(index)
+            if draws:
+                walk.before(index)
+            _run(op, env, device, copies, threads if draws else 1)
+            if draws:
+                walk.ran(index)
         for ref in frees.get(index, ()):
             env.pop(ref, None)
 
@@ -213,8 +232,18 @@ def _filled_on_threads(op: Op, args: Sequence[Any], kwargs: dict[str, Any], thre
     return args[0]
 
 
-def _run(op: Op, env: dict[int, torch.Tensor], device: torch.device | None, copies: Copies, threads: int = 1) -> None:
-    args, kwargs = op.arguments({slot.index: env[slot.ref] for slot in op.slots}, device, copies=copies)
+def _run(
+    op: Op,
+    env: dict[int, torch.Tensor],
+    device: torch.device | None,
+    copies: Copies,
+    threads: int = 1,
+    *,
+    tensors: dict[int, torch.Tensor] | None = None,
+) -> None:
+    if tensors is None:
+        tensors = {slot.index: env[slot.ref] for slot in op.slots}
+    args, kwargs = op.arguments(tensors, device, copies=copies)
     result = _filled_on_threads(op, args, kwargs, threads) if threads > 1 else None
     if result is None:
         result = op.func(*args, **kwargs)

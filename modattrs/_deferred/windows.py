@@ -1,0 +1,362 @@
+"""Shard-local replay: a storage of which a replay keeps only a part is made only there.
+
+Note [Replaying only the part that is kept]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``fully_shard`` cuts a rank's part out of each deferred parameter with ``split`` and copies it into a new tensor;
+``distribute_tensor`` (``ColwiseParallel``) keeps a ``chunk`` of it. A replay of such a shard needs the operations
+that made the whole parameter, but only some of their elements: a *window* of the parameter's storage, the span
+of elements its kept readers and targets read. When every kept operation on a storage is one whose effect on the
+window is known, the replay allocates the window alone and runs those operations on it:
+
+- the *creator*, a factory (``empty``, ``zeros``, ``new_ones``, ...) that made the storage whole, contiguous: it
+  makes the window's elements instead;
+- *views* of the storage: not run; the refs they made that lie within the window become views of it;
+- *metadata reads* (``prim.device``, the ``new_*`` factories, which read only dtype and device): given the window;
+- *whole writes* covering the storage, contiguous: a random fill whose consumption of the generator ``draws``
+  models draws only the window's elements (``Pattern.draw``, which jumps to the first output they read), and the
+  generator is left where the fill begins, for the walk to jump past it; an elementwise in-place operation with no
+  other tensor argument (``fill_``, ``zero_``, ``mul_`` by a number) runs on the window;
+- *partial writes* of that elementwise kind (``weight[padding_idx].zero_()``) run on the window when their span
+  lies within it, and not at all when it lies outside;
+- *readers* (``copy_`` from a shard view, ``clone``, a conversion): run as usual on views of the window, which they
+  lie in by construction.
+
+A storage touched by anything else (a write with a tensor source, an opaque initializer, a fill whose draws are
+not modelled, a view in another dtype, a change of geometry in place) is made whole, as before; so is one whose
+window would be all of it. The values in the window are those of the whole storage, bit for bit, so a shard
+replayed this way equals the slice of the eager tensor, and the unsharded parameter is never allocated: a rank's
+memory is its shards plus the window of the parameter at hand. A window is the span (hull) of what is read, so a
+strided shard (``RowwiseParallel``'s dim-1 cut) spans nearly all of its parameter and costs about as much.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from modattrs._deferred import draws, generator
+from modattrs._deferred.record import Copies, Layout, Op, Record, Slot
+from modattrs._torch_private import OpOverload
+
+__all__: list[str] = []
+
+aten = torch.ops.aten
+
+# Factories that make a whole, new storage of the size they are given; the window is made with that size replaced.
+_CREATORS = frozenset(
+    {
+        aten.empty.memory_format,
+        aten.empty_strided.default,
+        aten.zeros.default,
+        aten.ones.default,
+        aten.full.default,
+        aten.new_empty.default,
+        aten.new_empty_strided.default,
+        aten.new_zeros.default,
+        aten.new_ones.default,
+        aten.new_full.default,
+    }
+)
+# Operations that read only the dtype and device of a tensor (or nothing of it): given the window instead.
+_METADATA = frozenset(
+    {
+        torch.ops.prim.device.default,
+        aten.new_empty.default,
+        aten.new_empty_strided.default,
+        aten.new_zeros.default,
+        aten.new_ones.default,
+        aten.new_full.default,
+    }
+)
+# In-place operations that write each element from that element alone (besides numbers).
+_ELEMENTWISE_EXTRA = frozenset({aten.fill_.Scalar, aten.zero_.default})
+
+
+class Role:
+    CREATE = "create"
+    VIEW = "view"
+    METADATA = "metadata"
+    DRAW = "draw"  # a whole write by a modelled random fill
+    ELEMENTWISE = "elementwise"  # a whole or partial elementwise write within the window
+    OUTSIDE = "outside"  # a partial elementwise write outside the window: not run
+    READ = "read"
+
+
+@dataclass
+class Window:
+    """The part ``start:stop`` (in elements) of a storage that a replay makes, and how each operation on it runs."""
+
+    storage: int
+    dtype: torch.dtype
+    start: int
+    stop: int
+    roles: dict[int, str]  # operation index -> its role
+    last: int  # the last kept operation that touches it
+    patterns: dict[int, draws.Pattern] = field(default_factory=dict)  # by index, for DRAW
+    tensor: torch.Tensor | None = None  # the window's memory, once made
+    make: Callable[[], torch.Tensor] | None = None  # its creator, run on the window's size: see memory
+
+    def memory(self) -> torch.Tensor:
+        """The window's memory, made now if it is not yet. The creator runs only when something needs it before
+        a random fill writes all of it: the fill's result then is the window, not a copy (no second allocation)."""
+        if self.tensor is None:
+            assert self.make is not None
+            self.tensor, self.make = self.make(), None
+        return self.tensor
+
+    def filled(self, values: torch.Tensor) -> None:
+        """Write all of the window: ``values``, its elements."""
+        if self.tensor is None:
+            # A draw's result may be a slice of its scratch memory; a single element may have any stride.
+            self.tensor, self.make = (values if values.numel() < 2 or values.stride() == (1,) else values.clone()), None
+        else:
+            self.tensor.copy_(values)
+
+    def view(self, layout: Layout) -> torch.Tensor:
+        """The tensor of ``layout`` (which lies within the window) on the window's memory."""
+        memory = self.memory()  # 1-D, its elements adjacent, but maybe not at the start of its storage
+        offset = layout.offset - self.start if layout.extent() else 0
+        return memory.as_strided(layout.size, layout.stride, memory.storage_offset() + offset)
+
+    def stand_in(self) -> torch.Tensor:
+        """A tensor of the window's dtype and device, without elements, for operations that read only those."""
+        return torch.empty(0, dtype=self.dtype, device="cpu")
+
+
+def plan(
+    record: Record,
+    kept: set[int],
+    targets: Mapping[int, int],
+    pattern_of: Callable[[int], draws.Pattern | None],
+    device: torch.device | None,
+) -> dict[int, Window]:
+    """The windows of a replay of ``kept`` (operation indices) for ``targets`` (ref -> storage), by storage.
+
+    ``pattern_of`` gives the modelled pattern of a kept draw from the default CPU generator (None: not modelled, or
+    not such a draw).
+    Replays onto another device than the CPU make no windows.
+    """
+    if device is not None and device.type != "cpu":
+        return {}
+    ops, layouts = record.ops, record.layouts
+    touching: dict[int, list[int]] = {}
+    for index in sorted(kept):
+        op = ops[index]
+        storages = {slot.storage for slot in op.slots} | op.writes
+        storages.update(layouts[ref].storage for ref in op.out_refs if ref is not None and ref in layouts)
+        for storage in storages:
+            touching.setdefault(storage, []).append(index)
+    spans: dict[int, list[range]] = {}
+    whole: set[int] = set()  # storages a target holds in a layout the record does not know
+    for ref, storage in targets.items():
+        layout = layouts.get(ref)
+        if layout is None or layout.storage != storage:
+            whole.add(storage)
+        else:
+            spans.setdefault(storage, []).append(layout.extent())
+    windows: dict[int, Window] = {}
+    for storage, indices in touching.items():
+        if storage in whole:
+            continue
+        window = _window(record, storage, indices, spans.get(storage, []), pattern_of)
+        if window is not None:
+            windows[storage] = window
+    return windows
+
+
+def _window(
+    record: Record,
+    storage: int,
+    indices: list[int],
+    target_spans: list[range],
+    pattern_of: Callable[[int], draws.Pattern | None],
+) -> Window | None:
+    ops, layouts = record.ops, record.layouts
+    whole = _created(ops[indices[0]], storage, layouts)
+    if whole is None:
+        return None
+    roles = {indices[0]: Role.CREATE}
+    spans = list(target_spans)
+    partial: dict[int, range] = {}
+    patterns: dict[int, draws.Pattern] = {}
+    for index in indices[1:]:
+        op = ops[index]
+        on = [slot for slot in op.slots if slot.storage == storage]
+        if any(layouts.get(slot.ref) != _slot_layout(slot, layouts) for slot in on):
+            return None  # a ref whose geometry changed in place, or that the record did not lay out
+        if any(slot.dtype != whole.dtype for slot in on):
+            return None
+        func = op.func
+        if not isinstance(func, OpOverload):
+            return None  # an opaque initializer: its effect on a part is unknown
+        outs = [layouts.get(ref) for ref in op.out_refs if ref is not None]
+        written = [slot for slot in on if slot.written]
+        if not written and storage not in op.writes:
+            if func.is_view and all(out is not None and out.storage == storage for out in outs):
+                if any(out is not None and out.dtype != whole.dtype for out in outs):
+                    return None
+                roles[index] = Role.VIEW
+            elif func in _METADATA and all(out is None or out.storage != storage for out in outs):
+                roles[index] = Role.METADATA
+            elif any(out is not None and out.storage == storage for out in outs):
+                return None  # makes a tensor on this storage without being a view
+            else:
+                roles[index] = Role.READ
+                spans.extend(_slot_layout(slot, layouts).extent() for slot in on)
+            continue
+        if len(written) != 1 or len(op.slots) != 1 or op.constant_slots or op.writes != {storage}:
+            return None  # writes from another tensor, or through several arguments
+        layout = _slot_layout(written[0], layouts)
+        covers = layout.offset == 0 and _contiguous(layout) and math.prod(layout.size) == math.prod(whole.size)
+        pattern = pattern_of(index) if covers else None
+        if pattern is not None:
+            roles[index] = Role.DRAW
+            patterns[index] = pattern
+        elif op.draws.value == 0 and (func in _ELEMENTWISE_EXTRA or _in_place_pointwise(func)):
+            roles[index] = Role.ELEMENTWISE
+            if not covers:
+                partial[index] = layout.extent()
+        else:
+            return None
+    extent = range(math.prod(whole.size))
+    start = min((span.start for span in spans if span), default=0)
+    stop = max((span.stop for span in spans if span), default=0)
+    if start <= extent.start and stop >= extent.stop:
+        return None  # all of it is needed: made whole, as eager code makes it
+    for index, span in partial.items():
+        if span.start >= start and span.stop <= stop:
+            continue
+        if span.stop <= start or span.start >= stop or not span:
+            roles[index] = Role.OUTSIDE
+            continue
+        return None  # straddles the window's edge
+    return Window(storage, whole.dtype, start, stop, roles, indices[-1], patterns=patterns)
+
+
+def _created(op: Op, storage: int, layouts: Mapping[int, Layout]) -> Layout | None:
+    """The layout of the whole storage if ``op`` is a factory that made it, contiguous from its start."""
+    if op.func not in _CREATORS or any(slot.storage == storage for slot in op.slots) or len(op.out_refs) != 1:
+        return None
+    ref = op.out_refs[0]
+    layout = layouts.get(ref) if ref is not None else None
+    if layout is None or layout.storage != storage or layout.offset != 0 or not _contiguous(layout):
+        return None
+    if op.device is None or op.device.type != "cpu":
+        return None
+    return layout
+
+
+def _slot_layout(slot: Slot, layouts: Mapping[int, Layout]) -> Layout:
+    """Where a tensor given to an operation sits (slots do not hold offsets; its ref's layout does)."""
+    offset = layouts[slot.ref].offset if slot.ref in layouts else -1
+    return Layout(slot.storage, offset, slot.size, slot.stride, slot.dtype)
+
+
+def _contiguous(layout: Layout) -> bool:
+    expected = 1
+    for size, stride in reversed(list(zip(layout.size, layout.stride, strict=True))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _in_place_pointwise(func: OpOverload) -> bool:
+    return torch.Tag.pointwise in func.tags and torch.Tag.inplace in func.tags
+
+
+# --- running ---------------------------------------------------------------------------------------------------------
+
+
+def window_arguments(op: Op, windows: Mapping[int, Window], env: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The tensors to call ``op`` with, by position: ``env``'s, and for a ref on a window that ``env`` lacks (one
+    that spans more than the window, which only metadata reads are given), a stand-in of its dtype and device."""
+    tensors = {}
+    for slot in op.slots:
+        found = env.get(slot.ref)
+        tensors[slot.index] = windows[slot.storage].stand_in() if found is None else found
+    return tensors
+
+
+def create(op: Op, window: Window, arguments: tuple[Any, Any]) -> None:
+    """Make the factory ``op`` the window's creator, run with the window's size instead of the whole storage's."""
+    args, kwargs = arguments
+    assert isinstance(op.func, OpOverload)
+    schema = op.func._schema
+    flat_args = list(args)
+    length = window.stop - window.start
+    for position, argument in enumerate(schema.arguments):
+        value: object
+        if argument.name == "size":
+            value = [length]
+        elif argument.name == "stride":
+            value = [1]
+        elif argument.name == "memory_format":
+            value = None
+        else:
+            continue
+        if position < len(flat_args):
+            flat_args[position] = value
+        elif argument.name in kwargs:
+            kwargs[argument.name] = value
+
+    def make() -> torch.Tensor:
+        made = op.func(*flat_args, **kwargs)
+        assert isinstance(made, torch.Tensor)
+        assert made.numel() == length
+        return made
+
+    window.make = make
+
+
+def run(
+    op: Op,
+    index: int,
+    on: list[Window],
+    windows: Mapping[int, Window],
+    env: dict[int, torch.Tensor],
+    device: torch.device | None,
+    copies: Copies,
+    walk: generator.Walk,
+    layouts: Mapping[int, Layout],
+) -> bool:
+    """Run the kept operation ``op`` (at ``index``) on the windows ``on`` that it has a role in; False if it is
+    only read by it, for the caller to run as usual with ``window_arguments``."""
+    roles = {window.roles[index] for window in on}
+    if Role.VIEW in roles:
+        (window,) = on
+        for ref in op.out_refs:
+            layout = layouts[ref] if ref is not None else None
+            if layout is not None and _within(layout.extent(), window):
+                env[ref] = window.view(layout)  # type: ignore[index]
+        return True
+    if Role.OUTSIDE in roles:
+        return True
+    if Role.DRAW in roles:
+        (window,) = on
+        walk.before(index)
+        window.filled(window.patterns[index].draw(generator.real_state(), window.start, window.stop))
+        walk.skipped(index)
+        return True
+    if Role.ELEMENTWISE in roles:
+        (window,) = on
+        (slot,) = op.slots
+        written = env.get(slot.ref)  # a part of it, made by a view
+        if written is None:
+            written = window.memory()  # all of it
+        args, kwargs = op.arguments({slot.index: written}, device, copies=copies)
+        op.func(*args, **kwargs)
+        return True
+    if Role.CREATE in roles:
+        made = next(window for window in on if window.roles[index] == Role.CREATE)
+        create(op, made, op.arguments(window_arguments(op, windows, env), device, copies=copies))
+        return True
+    return False
+
+
+def _within(span: range, window: Window) -> bool:
+    return not span or (span.start >= window.start and span.stop <= window.stop)

@@ -1,0 +1,225 @@
+"""A rank materializes only its shards: each parameter's window is made and drawn alone, with eager values.
+
+Ranks run one at a time in this process on torch's fake process group (no communication happens while sharding
+a deferred model or materializing it); ``tests/test_distributed.py`` runs the same flows on real gloo groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from modattrs.deferred import deferred_init, materialize_module
+
+
+@contextlib.contextmanager
+def fake_world(size: int, rank: int) -> Iterator[DeviceMesh]:
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
+    try:
+        yield init_device_mesh("cpu", (size,))
+    finally:
+        dist.destroy_process_group()
+
+
+class Block(nn.Module):
+    """Every kind of operation a window handles, and some it does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(24, 40)  # kaiming_uniform_ and uniform_: modelled draws
+        self.norm = nn.LayerNorm(24)  # ones and zeros
+        self.scaled = nn.Parameter(torch.empty(29, 6).normal_(0, 0.5).mul_(3.0))  # a draw, then elementwise
+        self.tiny = nn.Parameter(torch.empty(3, 2).normal_())  # normal_ on the scalar path (pairs)
+        self.cut = nn.Parameter(torch.empty(11, 4))
+        nn.init.trunc_normal_(self.cut, std=0.02)  # rejection sampling: drawn through, made whole
+        self.rotation = nn.Parameter(torch.empty(8, 8))
+        nn.init.orthogonal_(self.rotation)  # not modelled: drawn through
+        self.wide = nn.Parameter(torch.empty(5, 3, dtype=torch.float64).uniform_(-1, 1))  # fewer rows than ranks
+        self.brain_float = nn.Parameter(torch.randn(33, 5).to(torch.bfloat16))  # a conversion reads all of it
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(37, 24, padding_idx=17)  # normal_, then a row zeroed in place
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(24, 37, bias=False)
+
+
+def shard_of(full: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    chunks = torch.chunk(full.detach(), size, dim=0)
+    return chunks[rank] if rank < len(chunks) else full.detach()[:0]
+
+
+def eager(model_fn: Callable[[], nn.Module]) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = model_fn()
+    return model, torch.get_rng_state()
+
+
+def sharded(model_fn: Callable[[], nn.Module], mesh: DeviceMesh, *, blockwise: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = deferred_init(model_fn)
+    units = list(getattr(model, "blocks", []))
+    for block in units:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if blockwise:
+        for block in reversed(units):  # any order
+            materialize_module(block)
+    materialize_module(model)
+    return model
+
+
+def assert_slices_of(model: nn.Module, reference: nn.Module, size: int, rank: int) -> None:
+    for name, parameter in model.named_parameters():
+        expected = shard_of(reference.get_parameter(name), size, rank)
+        local = parameter.to_local()  # type: ignore[attr-defined]
+        assert local.dtype == expected.dtype, name
+        assert torch.equal(local, expected), f"{name}: rank {rank} of {size} differs from the eager slice"
+
+
+@pytest.mark.parametrize(
+    ("size", "rank"), [(1, 0), (2, 1), (4, 0), (4, 3), (64, 0), (64, 32), (64, 63)], ids=lambda value: str(value)
+)
+@pytest.mark.parametrize("blockwise", [True, False], ids=["block by block", "in one call"])
+def test_every_rank_materializes_the_eager_models_slices_and_leaves_the_generator_where_eager_code_does(
+    size: int, rank: int, blockwise: bool
+) -> None:
+    reference, state_after_eager = eager(Model)
+    with fake_world(size, rank) as mesh:
+        model = sharded(Model, mesh, blockwise=blockwise)
+        assert_slices_of(model, reference, size, rank)
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+
+
+@pytest.mark.parametrize(("size", "rank"), [(4, 1), (64, 63)], ids=str)
+def test_a_draw_between_deferred_init_and_materializing_gets_eager_codes_numbers(size: int, rank: int) -> None:
+    torch.manual_seed(0)
+    reference = Model()
+    between = torch.rand(5)
+    with fake_world(size, rank) as mesh:
+        torch.manual_seed(0)
+        model = deferred_init(Model)
+        fully_shard(model, mesh=mesh)
+        assert torch.equal(torch.rand(5), between)
+        materialize_module(model)
+        assert_slices_of(model, reference, size, rank)
+
+
+dtypes = st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16])
+inits = st.sampled_from(["uniform_", "normal_", "kaiming_uniform_", "zeros_then_fill", "exponential_", "randn"])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 70),
+    columns=st.integers(1, 19),
+    dtype=dtypes,
+    init=inits,
+    size=st.sampled_from([2, 3, 4, 8, 64]),
+    data=st.data(),
+)
+def test_any_parameter_sharded_over_any_world_is_the_eager_slice(
+    rows: int, columns: int, dtype: torch.dtype, init: str, size: int, data: st.DataObject
+) -> None:
+    rank = data.draw(st.integers(0, size - 1), label="rank")
+
+    def make() -> nn.Module:
+        holder = nn.Module()
+        holder.before = nn.Parameter(torch.empty(7, 3).uniform_())  # draws before and after: the walk jumps
+        weight = torch.empty(rows, columns, dtype=dtype)
+        if init == "zeros_then_fill":
+            weight.zero_().add_(0.5)
+        elif init == "kaiming_uniform_":
+            nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        elif init == "randn":
+            weight = torch.randn(rows, columns, dtype=dtype)
+        else:
+            getattr(weight, init)()
+        holder.weight = nn.Parameter(weight)
+        holder.after = nn.Parameter(torch.empty(13).normal_())
+        return holder
+
+    reference, state_after_eager = eager(make)
+    with fake_world(size, rank) as mesh:
+        model = sharded(make, mesh, blockwise=False)
+        assert_slices_of(model, reference, size, rank)
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+
+
+@pytest.mark.parametrize("style", ["colwise", "rowwise"])
+def test_tensor_parallel_shards_are_the_eager_slices(style: str) -> None:
+    size, rank = 4, 2
+    make = lambda: nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 32))  # noqa: E731
+    reference, _ = eager(make)
+    plan = {"0": ColwiseParallel(), "1": RowwiseParallel()}
+    with fake_world(size, rank) as mesh:
+        torch.manual_seed(0)
+        model = deferred_init(make)
+        parallelize_module(model, mesh, plan, src_data_rank=None)
+        materialize_module(model)
+        layer = 0 if style == "colwise" else 1
+        weight = model[layer].weight.to_local()
+        dim = 0 if style == "colwise" else 1
+        expected = torch.chunk(reference[layer].weight.detach(), size, dim=dim)[rank]
+        assert torch.equal(weight, expected)
+
+
+# A rank's peak memory: run in a process of its own, so that the high-water mark is the replay's.
+MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import re, sys
+    from pathlib import Path
+    import torch, torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from modattrs.deferred import deferred_init, materialize_module
+
+    def high_water_mib():
+        return int(re.search(r"VmHWM:\\s+(\\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
+
+    size, rank = 8, 5
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
+    mesh = init_device_mesh("cpu", (size,))
+    torch.manual_seed(0)
+    model = deferred_init(nn.Linear, 4096, 4096, bias=False)
+    fully_shard(model, mesh=mesh)
+    materialize_module(deferred_init(nn.Linear, 8, 8))  # first uses out of the measure
+    Path("/proc/self/clear_refs").write_text("5")
+    before = high_water_mib()
+    materialize_module(model)
+    print(high_water_mib() - before, model.weight.to_local().nbytes / 2**20)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the resident set's high-water mark")
+def test_a_rank_never_holds_the_unsharded_parameter() -> None:
+    environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT], env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    growth_mib, shard_mib = map(float, done.stdout.split())
+    parameter_mib = 4096 * 4096 * 4 / 2**20  # 64 MiB, the shard 8 MiB
+    assert growth_mib < parameter_mib / 2, f"peak grew by {growth_mib:.1f} MiB for a {shard_mib:.1f} MiB shard"
+    assert growth_mib < 3 * shard_mib
