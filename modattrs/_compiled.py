@@ -6,7 +6,15 @@ from __future__ import annotations
 import types
 
 #: What this version of ``_speedups.c`` defines. An extension without one of them is a build of another version.
-NAMES = ("bind", "read", "dispatch_unless_compiling", "forward_unless_index", "instance_method")
+NAMES = (
+    "bind",
+    "read",
+    "dispatch_unless_compiling",
+    "forward_unless_index",
+    "instance_method",
+    "mt19937_power_of_x",
+    "mt19937_twisted",
+)
 
 
 def stale_build(module: types.ModuleType) -> ImportError:

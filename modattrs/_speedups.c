@@ -323,6 +323,291 @@ static PyObject *bind(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* --- Jumping torch's CPU generator (MT19937) ahead: the two loops of modattrs/_deferred/mt19937.py's jumps ----------
+ *
+ * mt19937_power_of_x(exponent, modulus) computes x^exponent mod p over GF(2) by squaring (and multiplying by x) one
+ * bit of the exponent at a time; mt19937_twisted(array, coefficients) turns the engine's array into the array after
+ * the twists that x^M mod p = sum c_j x^j stands for: w[M + i] = XOR_j c_j w[j + i], i = 1 .. 624, from the
+ * untempered words w[0 .. 20560] the array starts. Polynomials are bit-packed little-endian (coefficient j is bit
+ * j % 8 of byte j / 8), as Python's int.to_bytes(n, "little") packs them. mt19937.py does the same in torch when
+ * this extension is not built, with the same results. Both release the GIL: jumps in several threads run at once. */
+
+#include <stdint.h>
+#include <string.h>
+
+#define MT_N 624
+#define MT_DEGREE 19937                      /* of p: the state's bits */
+#define MT_STREAM (MT_DEGREE + MT_N)         /* untempered words w[0 .. 20560] */
+#define MT_POLY_BYTES ((MT_DEGREE + 1 + 7) / 8) /* 2,493: p, or a polynomial of degree below 19,937 */
+#define MT_WORDS 312                         /* 64-bit words of a reduced polynomial, stored times x^MT_OFFSET */
+#define MT_OFFSET (64 * MT_WORDS - MT_DEGREE) /* 31: so that the bits of degree 19,937 and up start at word 312 */
+#define MT_BLOCK 8                           /* words reduced at once: 512 bits, less than p's gap (checked) */
+
+/* The low 32 bits of x spread to the even bits: its square over GF(2). */
+static inline uint64_t mt_spread(uint64_t x) {
+    x &= 0xFFFFFFFFu;
+    x = (x | (x << 16)) & 0x0000FFFF0000FFFFull;
+    x = (x | (x << 8)) & 0x00FF00FF00FF00FFull;
+    x = (x | (x << 4)) & 0x0F0F0F0F0F0F0F0Full;
+    x = (x | (x << 2)) & 0x3333333333333333ull;
+    return (x | (x << 1)) & 0x5555555555555555ull;
+}
+
+/* buf (2 * MT_WORDS words, bits stored at degree + MT_OFFSET) reduced mod p: p's terms below its degree are
+ * `terms`. Top down, a block of 8 words (512 bits) at a time: the block's bits times x^(e - 19937), for each term
+ * e, land below the block (every e is at most 19937 - 623), in words not yet reduced or below degree 19,937. */
+static void mt_reduce(uint64_t *buf, const uint16_t *terms, int count) {
+    for (int block = 2 * MT_WORDS - MT_BLOCK; block >= MT_WORDS; block -= MT_BLOCK) {
+        uint64_t high[MT_BLOCK + 2] = {0};
+        for (int i = 0; i < MT_BLOCK; i++) {
+            high[i + 1] = buf[block + i];
+            buf[block + i] = 0;
+        }
+        for (int t = 0; t < count; t++) {
+            int base = 64 * block - MT_DEGREE + terms[t]; /* where the block's bit 0 lands */
+            uint64_t *target = buf + (base >> 6);
+            int shift = base & 63;
+            for (int i = 0; i <= MT_BLOCK; i++) {
+                target[i] ^= (high[i + 1] << shift) | ((high[i] >> 1) >> (63 - shift));
+            }
+        }
+    }
+}
+
+/* The degrees below 19,937 of the terms of a bit-packed polynomial (MT_POLY_BYTES bytes), in order; their count. */
+static int mt_ones(const unsigned char *packed, uint16_t *positions) {
+    int count = 0;
+    for (int byte = 0; byte < MT_POLY_BYTES; byte++) {
+        int j = 8 * byte;
+        for (unsigned bits = packed[byte]; bits != 0; bits >>= 1, j++) {
+            if ((bits & 1) && j < MT_DEGREE) {
+                positions[count++] = (uint16_t)j;
+            }
+        }
+    }
+    return count;
+}
+
+/* p's terms below its degree, from `modulus`; their count, or -1 with ValueError set for a polynomial not of degree
+ * 19,937 or whose terms below it come too close to it for mt_reduce. */
+static int mt_terms(const unsigned char *modulus, uint16_t *terms) {
+    int count = mt_ones(modulus, terms);
+    int leading = modulus[MT_DEGREE >> 3] >> (MT_DEGREE & 7);
+    if (leading != 1 || (count > 0 && terms[count - 1] > MT_DEGREE - 64 * MT_BLOCK)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "mt19937_power_of_x: `modulus` is not MT19937's characteristic polynomial: expected "
+                        "degree 19937 and no other term above degree 19425");
+        return -1;
+    }
+    return count;
+}
+
+static PyObject *mt19937_power_of_x(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "mt19937_power_of_x expected 2 arguments (exponent, modulus), got %zd", nargs);
+        return NULL;
+    }
+    Py_buffer exponent, modulus;
+    if (PyObject_GetBuffer(args[0], &exponent, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[1], &modulus, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&exponent);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    uint16_t *terms = NULL;
+    uint64_t *buf = NULL, *square = NULL;
+    if (modulus.len != MT_POLY_BYTES) {
+        PyErr_Format(PyExc_ValueError, "mt19937_power_of_x: `modulus` must have %d bytes, got %zd", MT_POLY_BYTES,
+                     modulus.len);
+        goto done;
+    }
+    terms = PyMem_Malloc(MT_DEGREE * sizeof(uint16_t));
+    buf = PyMem_Calloc(2 * MT_WORDS, sizeof(uint64_t));
+    square = PyMem_Calloc(2 * MT_WORDS + 1, sizeof(uint64_t));
+    result = PyBytes_FromStringAndSize(NULL, MT_POLY_BYTES);
+    if (terms == NULL || buf == NULL || square == NULL || result == NULL) {
+        Py_CLEAR(result);
+        if (!PyErr_Occurred()) {
+            PyErr_NoMemory();
+        }
+        goto done;
+    }
+    int count = mt_terms(modulus.buf, terms);
+    if (count < 0) {
+        Py_CLEAR(result);
+        goto done;
+    }
+    const unsigned char *digits = exponent.buf; /* big-endian */
+    Py_ssize_t bits = 8 * exponent.len;
+    unsigned char *out = (unsigned char *)PyBytes_AS_STRING(result);
+    Py_BEGIN_ALLOW_THREADS
+    /* x^top for the exponent's leading bits while top < 19937: no reduction needed */
+    Py_ssize_t bit = 0;
+    long top = 0;
+    for (; bit < bits; bit++) {
+        int digit = digits[bit >> 3] >> (7 - (bit & 7)) & 1;
+        if (2 * top + digit >= MT_DEGREE) {
+            break;
+        }
+        top = 2 * top + digit;
+    }
+    long stored = top + MT_OFFSET;
+    buf[stored >> 6] = (uint64_t)1 << (stored & 63);
+    for (; bit < bits; bit++) {
+        /* r^2 (times x for a 1 bit): the square is stored at 2 (degree + 31); shifting right by 31 (30) stores
+         * it at degree + 31 (+ 1) */
+        int digit = digits[bit >> 3] >> (7 - (bit & 7)) & 1;
+        for (int i = 0; i < MT_WORDS; i++) {
+            square[2 * i] = mt_spread(buf[i]);
+            square[2 * i + 1] = mt_spread(buf[i] >> 32);
+        }
+        int right = MT_OFFSET - digit;
+        for (int i = 0; i < 2 * MT_WORDS; i++) {
+            buf[i] = (square[i] >> right) | (square[i + 1] << (64 - right));
+        }
+        mt_reduce(buf, terms, count);
+    }
+    for (int k = 0; k < MT_POLY_BYTES; k++) { /* the bits from degree 0 on, as bytes */
+        int at = 8 * k + MT_OFFSET;
+        uint64_t word = buf[at >> 6] >> (at & 63);
+        if ((at & 63) > 56) {
+            word |= buf[(at >> 6) + 1] << (64 - (at & 63));
+        }
+        out[k] = (unsigned char)word;
+    }
+    out[MT_POLY_BYTES - 1] &= (1 << (MT_DEGREE & 7)) - 1;
+    Py_END_ALLOW_THREADS
+done:
+    PyMem_Free(terms);
+    PyMem_Free(buf);
+    PyMem_Free(square);
+    PyBuffer_Release(&exponent);
+    PyBuffer_Release(&modulus);
+    return result;
+}
+
+/* out[t] = XOR over the positions j in `ones` of w[j + 1 + t], t = 0 .. 623, a tile of outputs at a time: each
+ * tile's XORs stay in registers while the rows stream past (about 10,000 rows of 624 words). GCC and Clang get
+ * vector types, 16 bytes wide, and on x86-64 a second copy 32 bytes wide for CPUs with AVX2 (0.26 and 0.17 ms
+ * measured on an AMD EPYC); other compilers a plain loop (about 0.5 ms). */
+#if defined(__GNUC__) || defined(__clang__)
+typedef uint32_t mt_lanes4 __attribute__((vector_size(16), aligned(4))); /* aligned(4): rows start anywhere */
+#define MT_TILE4 6                                                         /* vectors: 24 words, 26 tiles */
+
+static void mt_correlate(const uint32_t *w, const uint16_t *ones, int count, uint32_t *out) {
+    for (int first = 0; first < MT_N; first += 4 * MT_TILE4) {
+        mt_lanes4 acc[MT_TILE4] = {{0}};
+        for (int k = 0; k < count; k++) {
+            const mt_lanes4 *row = (const mt_lanes4 *)(w + ones[k] + 1 + first);
+            for (int i = 0; i < MT_TILE4; i++) {
+                acc[i] ^= row[i];
+            }
+        }
+        memcpy(out + first, acc, sizeof acc);
+    }
+}
+
+#if defined(__x86_64__)
+#define MT_AVX2 1
+typedef uint32_t mt_lanes8 __attribute__((vector_size(32), aligned(4)));
+#define MT_TILE8 6 /* vectors: 48 words, 13 tiles */
+
+__attribute__((target("avx2"))) static void mt_correlate_avx2(const uint32_t *w, const uint16_t *ones, int count,
+                                                              uint32_t *out) {
+    for (int first = 0; first < MT_N; first += 8 * MT_TILE8) {
+        mt_lanes8 acc[MT_TILE8] = {{0}};
+        for (int k = 0; k < count; k++) {
+            const mt_lanes8 *row = (const mt_lanes8 *)(w + ones[k] + 1 + first);
+            for (int i = 0; i < MT_TILE8; i++) {
+                acc[i] ^= row[i];
+            }
+        }
+        memcpy(out + first, acc, sizeof acc);
+    }
+}
+#endif
+#else
+static void mt_correlate(const uint32_t *w, const uint16_t *ones, int count, uint32_t *out) {
+    for (int first = 0; first < MT_N; first += 8) {
+        uint32_t acc[8] = {0};
+        for (int k = 0; k < count; k++) {
+            const uint32_t *row = w + ones[k] + 1 + first;
+            for (int t = 0; t < 8; t++) {
+                acc[t] ^= row[t];
+            }
+        }
+        memcpy(out + first, acc, sizeof acc);
+    }
+}
+#endif
+
+static PyObject *mt19937_twisted(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "mt19937_twisted expected 2 arguments (array, coefficients), got %zd", nargs);
+        return NULL;
+    }
+    Py_buffer array, coefficients;
+    if (PyObject_GetBuffer(args[0], &array, PyBUF_WRITABLE) < 0) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[1], &coefficients, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&array);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    uint32_t *w = NULL;
+    uint16_t *ones = NULL;
+    if (array.len != MT_N * 8 || coefficients.len != MT_POLY_BYTES) {
+        PyErr_Format(PyExc_ValueError,
+                     "mt19937_twisted: expected an array of %d bytes and coefficients of %d bytes, got %zd and %zd",
+                     MT_N * 8, MT_POLY_BYTES, array.len, coefficients.len);
+        goto done;
+    }
+    w = PyMem_Malloc(MT_STREAM * sizeof(uint32_t));
+    ones = PyMem_Malloc(MT_DEGREE * sizeof(uint16_t));
+    if (w == NULL || ones == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    unsigned char *words = array.buf; /* the state's array: uint64 words in native byte order, 32-bit values */
+    const unsigned char *c = coefficients.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (int n = 0; n < MT_N; n++) {
+        uint64_t word;
+        memcpy(&word, words + 8 * n, 8); /* the buffer need not be aligned */
+        w[n] = (uint32_t)word;
+    }
+    /* w[n] = w[n - 227] ^ twist(w[n - 624], w[n - 623]), as torch's engine twists */
+    for (int n = MT_N; n < MT_STREAM; n++) {
+        uint32_t mixed = (w[n - MT_N] & 0x80000000u) | (w[n - MT_N + 1] & 0x7FFFFFFFu);
+        w[n] = w[n - 227] ^ (mixed >> 1) ^ ((0u - (mixed & 1u)) & 0x9908B0DFu);
+    }
+    int count = mt_ones(c, ones);
+    uint32_t out[MT_N];
+#ifdef MT_AVX2
+    if (__builtin_cpu_supports("avx2")) {
+        mt_correlate_avx2(w, ones, count, out);
+    } else
+#endif
+    {
+        mt_correlate(w, ones, count, out);
+    }
+    for (int n = 0; n < MT_N; n++) {
+        uint64_t word = out[n];
+        memcpy(words + 8 * n, &word, 8);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(w);
+    PyMem_Free(ones);
+    PyBuffer_Release(&array);
+    PyBuffer_Release(&coefficients);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"read", read_value, METH_O,
      "read(attribute, /)\n--\n\nThe value of a VirtualTensor: what VirtualTensor._read(attribute) returns."},
@@ -339,6 +624,12 @@ static PyMethodDef methods[] = {
     {"instance_method", instance_method, METH_O,
      "instance_method(callable, /)\n--\n\ncallable made a method: as a class attribute, it is called with the "
      "instance first, as a function defined in the class is."},
+    {"mt19937_power_of_x", (PyCFunction)(void (*)(void))mt19937_power_of_x, METH_FASTCALL,
+     "mt19937_power_of_x(exponent, modulus, /)\n--\n\nx^exponent mod modulus over GF(2), bit-packed: exponent as "
+     "big-endian bytes, modulus MT19937's characteristic polynomial."},
+    {"mt19937_twisted", (PyCFunction)(void (*)(void))mt19937_twisted, METH_FASTCALL,
+     "mt19937_twisted(array, coefficients, /)\n--\n\nReplace the MT19937 array (624 uint64 words) in place by "
+     "XOR_j c_j w[j + i], i = 1 .. 624, of its untempered words w."},
     {NULL, NULL, 0, NULL},
 };
 

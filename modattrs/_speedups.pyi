@@ -3,6 +3,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
+from typing_extensions import Buffer
 
 from modattrs.virtual import VirtualTensor
 
@@ -21,3 +22,5 @@ def forward_unless_index(
     /,
 ) -> Any: ...
 def instance_method(callable: Callable[..., Any], /) -> Any: ...
+def mt19937_power_of_x(exponent: Buffer, modulus: Buffer, /) -> bytes: ...
+def mt19937_twisted(array: Buffer, coefficients: Buffer, /) -> None: ...

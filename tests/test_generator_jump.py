@@ -3,13 +3,15 @@
 The reference is torch itself: a generator set to the state, then ``k`` 32-bit outputs drawn by ``uniform_`` on
 float32 tensors, which take one output per element (measured on torch 2.13 by counting the engine's steps, and
 confirmed here: the polynomial jumps, computed without torch's engine, agree with it). Each jump is checked byte for
-byte against the state torch reaches, and by the values drawn after it.
+byte against the state torch reaches, and by the values drawn after it. Where ``modattrs._speedups`` is built, jumps
+run its C routines, and the tests at the end check them against the torch path that runs without them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -228,16 +230,197 @@ def test_jumping_works_on_the_cpu_whatever_the_default_device_is(jump: Jump) -> 
     assert torch.equal(jumped, drawn_state(start, 10**6 + 7))
 
 
-def test_jumps_in_several_threads_at_once_leave_torchs_thread_count_as_it_was() -> None:
+@pytest.mark.parametrize("path", ["c", "torch"])
+def test_jumps_in_several_threads_at_once_leave_torchs_thread_count_as_it_was(path: str) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         state = torch.Generator().manual_seed(3).get_state()
-        with ThreadPoolExecutor(max_workers=4) as pool:
+        with jump_path(path), ThreadPoolExecutor(max_workers=4) as pool:
             jumped = list(pool.map(lambda k: mt19937.advance_by_polynomial(state, k), [10**7 + k for k in range(8)]))
         assert torch.get_num_threads() == 2
         assert torch.equal(jumped[3], mt19937.advance_by_polynomial(state, 10**7 + 3))
     finally:
         torch.set_num_threads(threads)
+
+
+# --- the C routines, the cache of powers, threads and the crossover ------------------------------------------------
+
+needs_speedups = pytest.mark.skipif(mt19937._speedups is None, reason="modattrs._speedups is not built in this install")
+
+
+@contextlib.contextmanager
+def jump_path(path: str) -> Iterator[None]:
+    """Jumps by the C routines ("c") or by the torch path that runs without them ("torch"), with no power cached."""
+    kept = mt19937._speedups
+    if path == "c" and kept is None:
+        pytest.skip("modattrs._speedups is not built in this install")
+    mt19937._speedups = kept if path == "c" else None
+    mt19937._powers.clear()
+    try:
+        yield
+    finally:
+        mt19937._speedups = kept
+        mt19937._powers.clear()
+
+
+def berlekamp_massey_polynomial() -> int:
+    """``p``, bit i the coefficient of x^i: Berlekamp-Massey on the top bits of 39,874 words of torch's engine.
+
+    The words are the arrays of 64 consecutive blocks, read from the state after each block's first output. Every
+    non-zero sequence of one bit of the words has minimal polynomial ``p`` (``p`` is irreducible): the sequence's
+    connection polynomial is ``p`` reversed.
+    """
+    generator = torch.Generator()
+    generator.manual_seed(5489)
+    arrays = []
+    for block in range(64):
+        draw(generator, 1 if block == 0 else 624)
+        arrays.append(generator.get_state()[24 : 24 + 624 * 8].view(torch.int64) & 0xFFFFFFFF)
+    length = 2 * 19937
+    digits = (torch.cat(arrays)[:length] >> 31) + ord("0")
+    # `sequence` holds s_0 at its highest bit, so `sequence >> (length - 1 - t)` ends with s_t at bit 0
+    sequence = int(bytes(digits.tolist()).decode("ascii"), 2)
+    connection, previous, degree, gap = 1, 1, 0, 1
+    for t in range(length):
+        if (((sequence >> (length - 1 - t)) & connection).bit_count() & 1) == 0:
+            gap += 1
+        elif 2 * degree <= t:
+            connection, previous, degree, gap = connection ^ (previous << gap), connection, t + 1 - degree, 1
+        else:
+            connection ^= previous << gap
+            gap += 1
+    return int(bin(connection)[2:].zfill(degree + 1)[::-1], 2)
+
+
+def test_the_written_out_characteristic_polynomial_is_the_one_torchs_engine_follows() -> None:
+    assert berlekamp_massey_polynomial() == sum(1 << term for term in mt19937._P_TERMS)
+    assert len(mt19937._P_TERMS) == 135
+    assert mt19937._P_TERMS[-1] == 19937
+
+
+PATHS = ["c", "torch"]
+#: Distances of every kind: within the block, a few blocks (x^M needs no reduction), short and long jumps.
+DISTANCES = st.one_of(st.integers(0, 20_000), st.integers(0, 10**7), st.integers(0, 2**70))
+
+
+@needs_speedups
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**64 - 1), drawn=st.integers(0, 1500), distance=DISTANCES)
+def test_the_c_routines_and_the_torch_path_jump_to_the_same_state(seed: int, drawn: int, distance: int) -> None:
+    start = state_after(seed, drawn)
+    with jump_path("c"):
+        compiled = mt19937.advance_by_polynomial(start, distance)
+    with jump_path("torch"):
+        assert torch.equal(mt19937.advance_by_polynomial(start, distance), compiled)
+
+
+@needs_speedups
+@pytest.mark.parametrize(
+    ("exponent", "expected"),
+    [(2**19937 - 1, 1), (2**19937, 2), (2 * (2**19937 - 1) + 5, 2**5)],
+    ids=["the period", "the period plus 1", "twice the period plus 5"],
+)
+def test_the_c_power_of_x_wraps_around_at_the_period(exponent: int, expected: int) -> None:
+    # p is primitive of degree 19,937, and 2^19937 - 1 is prime: x has order 2^19937 - 1 modulo p
+    assert mt19937._speedups is not None
+    exponent_bytes = exponent.to_bytes((exponent.bit_length() + 7) // 8, "big")
+    packed = mt19937._speedups.mt19937_power_of_x(exponent_bytes, mt19937._P_PACKED)
+    assert int.from_bytes(packed, "little") == expected
+
+
+@needs_speedups
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        ((b"\x05", b"\x01" * 2493), ValueError, "not MT19937's characteristic polynomial"),
+        ((b"\x05", b"\x01" * 100), ValueError, "must have 2493 bytes, got 100"),
+        ((b"\x05",), TypeError, "expected 2 arguments"),
+    ],
+)
+def test_the_c_power_of_x_refuses_another_modulus(arguments: tuple[bytes, ...], error: type, message: str) -> None:
+    assert mt19937._speedups is not None
+    with pytest.raises(error, match=message):
+        mt19937._speedups.mt19937_power_of_x(*arguments)
+
+
+@needs_speedups
+def test_the_c_twist_refuses_arrays_of_another_size_and_leaves_the_array_as_it_was() -> None:
+    assert mt19937._speedups is not None
+    array = bytearray(range(256)) * 19 + bytearray(128)
+    kept = bytes(array)
+    with pytest.raises(ValueError, match="expected an array of 4992 bytes and coefficients of 2493 bytes"):
+        mt19937._speedups.mt19937_twisted(array, bytes(2492))
+    with pytest.raises(ValueError, match="got 4991 and 2493"):
+        mt19937._speedups.mt19937_twisted(array[:-1], bytes(2493))
+    with pytest.raises(BufferError):  # the array is written in place: read-only bytes are refused
+        mt19937._speedups.mt19937_twisted(kept, bytes(2493))
+    assert array == kept
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("distance", [30_000, 10**6 + 7, 2**40 + 3])
+def test_a_jump_to_a_cached_distance_gives_the_state_an_uncached_jump_gives(path: str, distance: int) -> None:
+    first, second = state_after(21, 5), state_after(22, 5)  # the same position: the same x^M
+    with jump_path(path):
+        uncached = mt19937.advance_by_polynomial(second, distance)
+        mt19937._powers.clear()
+        mt19937.advance_by_polynomial(first, distance)  # caches x^M
+        assert len(mt19937._powers) == 1
+        assert torch.equal(mt19937.advance_by_polynomial(second, distance), uncached)
+        assert len(mt19937._powers) == 1
+    if distance < 2**40:
+        assert torch.equal(uncached, drawn_state(second, distance))
+
+
+def test_the_cache_of_powers_keeps_the_most_recently_used_up_to_its_bound() -> None:
+    powers = mt19937._Powers(3)
+    exponents = [624 * blocks - 1 for blocks in (100, 200, 300, 400)]
+    for exponent in exponents[:3]:
+        powers.get(exponent)
+    powers.get(exponents[0])  # used again: now the most recent
+    powers.get(exponents[3])
+    assert len(powers) == 3
+    assert [exponent in powers for exponent in exponents] == [True, False, True, True]
+    assert powers.get(exponents[1]) == mt19937._Powers(1).get(exponents[1])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_jumps_in_several_threads_at_once_give_the_states_jumps_one_at_a_time_give(path: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    start = state_after(13, 100)
+    # repeated distances too: threads meet on the same cached (or being computed) power
+    distances = [10**6 + 624 * (i % 5) + i for i in range(16)] + [2**33 + i for i in range(4)]
+    with jump_path(path):
+        alone = [mt19937.jumped_state(start, distance) for distance in distances]
+        mt19937._powers.clear()
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            together = list(pool.map(lambda distance: mt19937.jumped_state(start, distance), distances))
+    for distance, one, other in zip(distances, alone, together, strict=True):
+        assert torch.equal(one, other), distance
+    assert torch.equal(alone[0], drawn_state(start, distances[0]))
+
+
+def test_jumped_state_draws_below_the_crossover_and_jumps_from_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    start = state_after(17, 5)  # 619 outputs left in the block
+    chosen: list[str] = []
+    drawing, jumping = mt19937._advance_by_drawing, mt19937._advance_by_polynomial
+
+    def by_drawing(parsed: mt19937._Parsed) -> torch.Tensor:
+        chosen.append("drawing")
+        return drawing(parsed)
+
+    def by_polynomial(parsed: mt19937._Parsed) -> torch.Tensor:
+        chosen.append("polynomial")
+        return jumping(parsed)
+
+    monkeypatch.setattr(mt19937, "_advance_by_drawing", by_drawing)
+    monkeypatch.setattr(mt19937, "_advance_by_polynomial", by_polynomial)
+    crossover = mt19937.DRAWING_CROSSOVER
+    distances = [619, 620, crossover - 1, crossover, crossover + 1]
+    for distance in distances:
+        assert torch.equal(mt19937.jumped_state(start, distance), drawn_state(start, distance))
+    assert chosen == ["polynomial", "drawing", "drawing", "polynomial", "polynomial"]

@@ -73,10 +73,11 @@ that range, the kernel redraws them from the same outputs), on pairs for ``PAIRS
 element 0). ``SERIAL`` and ``BLOCKS`` ranges are drawn straight into ``out``'s memory, through views of it;
 ``PAIRS`` ones on scratch tensors on the scalar path, then copied in (a range of a non-contiguous result can be
 contiguous, and the kernel would take the block path on it). Each range after the first pays for a jump, which costs
-about what drawing 5M outputs costs (``JUMP_COST``: 11 to 15 ms for these distances on an idle machine, 20 to 25 ms
-under load, against 2.2 to 4.2 ns an output), so the first range, which needs none, draws that many outputs more than
-each of the others, and each of the others draws at least that many: below 15M outputs (15M float32 uniforms or
-normals, 7.5M float64 ones) or with one thread the operation runs once, on ``out``. That threshold counts outputs,
+about what drawing ``JUMP_COST`` outputs costs (``mt19937.FAR_JUMP_COST``: 200,000 with the C extension, 0.2 to
+0.6 ms; 5M with the torch path alone, 11 to 15 ms; against 2.2 to 4.2 ns an output), so the first range, which needs
+none, draws that many outputs more than each of the others, and each of the others draws at least that many: below
+three times that (600,000 outputs with the extension, 15M without) or with one thread the operation runs once, on
+``out``. That threshold counts outputs,
 not time, so it is conservative for kernels that spend more per output (``normal_``'s transforms, ``PAIRS``). The
 threads are kept from call to call (a new thread's first jump costs about 90 ms more, setting up OpenMP and MKL) and
 take torch's intra-op thread count. Measured (``benchmarks/parallel_draws.py``, torch 2.13, float32, 2 cores shared
@@ -139,7 +140,7 @@ from typing import Final
 
 import torch
 
-from modattrs._deferred.mt19937 import DRAWING_CROSSOVER, jumped_state
+from modattrs._deferred.mt19937 import FAR_JUMP_COST, jumped_state
 from modattrs._torch_private import FakeTensor
 
 __all__ = ["BLOCKS", "JUMP_COST", "PAIRS", "SERIAL", "Pattern", "pattern"]
@@ -169,11 +170,10 @@ _CACHE_VALID: Final = 5040
 _CACHE_END: Final = 5044
 _BLOCK: Final = 16
 
-#: What a jump costs, counted in outputs drawn in that time: a polynomial jump takes about as long as drawing
-#: ``mt19937.DRAWING_CROSSOVER`` outputs (where ``jumped_state`` switches from drawing to jumping), on a loaded machine
-#: as on an idle one. ``Pattern.draw_into`` splits a result so that each range after the first draws at least this
-#: many outputs (the module docstring has the measurements).
-JUMP_COST: Final = DRAWING_CROSSOVER
+#: What a jump into a large result costs, counted in outputs drawn in that time (``mt19937.FAR_JUMP_COST``; short
+#: jumps cost less, but a range's jump is far). ``Pattern.draw_into`` splits a result so that each range after the
+#: first draws at least this many outputs (the module docstring has the measurements).
+JUMP_COST: Final = FAR_JUMP_COST
 
 
 @dataclass(frozen=True)

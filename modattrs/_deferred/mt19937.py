@@ -32,41 +32,67 @@ Two ways to get there, and ``jumped_state`` picks per jump (a distance within th
   Panneton, "Efficient jump ahead for F2-linear random number generators", INFORMS J. Computing 20(3), 2008). In the
   word-at-a-time view the untempered words satisfy ``w[n + 624] = w[n + 397] ^ twist(w[n], w[n + 1])``, the state
   being the 19,937 bits ``(top bit of w[n], w[n + 1 .. n + 623])`` and ``p`` its characteristic polynomial (degree
-  19,937, computed once by Berlekamp-Massey on one bit of 39,874 words). If ``x^M mod p = sum of c_j x^j``, every
-  word after position ``M`` is the XOR of the words the same distance after each ``j`` with ``c_j = 1``:
-  ``w[M + i] = XOR_j c_j w[j + i]`` for ``i >= 1``. So the array after ``b`` twists, ``w[624 b .. 624 b + 623]``,
-  comes from ``M = 624 b - 1``: generate the 20,561 words ``w[0 ..]`` from the current array and correlate them
-  with ``c`` (per bit, by FFT; for ``M < 19937`` the words are read off the stream). ``x^M mod p`` is computed bit
-  by bit of ``M`` by the transpose of Bostan and Mori's halving step (``[x^N] P/Q = [x^(N//2)] (P Q)_(N mod 2) / Q``
-  over GF(2), where ``Q(x) Q(-x) = Q(x^2)``): one FFT correlation of length 20,000 per bit of ``M`` beyond its top
-  14, which start from the power series ``1/Q``. Distances are reduced modulo the period ``2^19937 - 1``, so any
-  distance works.
+  19,937, 135 terms, written out in ``_P_TERMS``; Berlekamp-Massey on one bit of 39,874 of torch's words finds it,
+  as a test checks). If ``x^M mod p = sum of c_j x^j``, every word after position ``M`` is the XOR of the words the
+  same distance after each ``j`` with ``c_j = 1``: ``w[M + i] = XOR_j c_j w[j + i]`` for ``i >= 1``. So the array
+  after ``b`` twists, ``w[624 b .. 624 b + 623]``, comes from ``M = 624 b - 1``: generate the 20,561 words
+  ``w[0 ..]`` from the current array and sum them as ``c`` says. Distances are reduced modulo the period
+  ``2^19937 - 1``, so any distance works.
 
-Costs measured on the development machine (2 cores shared with other jobs, torch 2.13.0 CPU with
-``torch.set_num_threads(1)``; best of 5 to 15 runs), from a state mid-block, jumping by ``k`` outputs:
+Each step has two implementations with the same results, bit for bit: C routines in the optional extension
+``modattrs._speedups``, used when pip built it, and torch code, used when it did not.
 
-=========  =================  =======================
-``k``      polynomial jump    drawing
-=========  =================  =======================
-10         0.03 ms            0.04 ms
-1,000      0.09 ms            0.04 ms
-10^6       10 ms              2.1 ms
-5 * 10^6   11 ms              10.7 ms
-2^23       12 ms              17.9 ms
-2^32       19 ms              9 s (extrapolated)
-2^40       22 ms              40 min (extrapolated)
-2^64       41 ms              2,400 years (extrapolated)
-2^128      80 ms
-=========  =================  =======================
+- C: ``x^M mod p`` by squaring, one bit of ``M`` at a time from the top (``x^m`` for the top bits while
+  ``m < 19937``): a square over GF(2) spreads the bits apart, and the reduction by ``p`` XORs shifted copies of the
+  bits above degree 19,937, 512 at a time from the top down (every other term of ``p`` lies at least 623 degrees
+  below its top one, so a block's copies land below it). The sums: the 10,000 or so rows ``w[j + 1 ..]`` with
+  ``c_j = 1`` are XORed 24 or 48 output words at a time in vector registers (32 bytes wide with AVX2).
+- torch: the sums per bit of the words, by FFT (for ``M < 19937`` the words are read off the stream). ``x^M mod p``
+  bit by bit of ``M`` by the transpose of Bostan and Mori's halving step (``[x^N] P/Q = [x^(N//2)]
+  (P Q)_(N mod 2) / Q`` over GF(2), where ``Q(x) Q(-x) = Q(x^2)``): one FFT correlation of length 20,000 per bit of
+  ``M`` beyond its top 14, which start from the power series ``1/Q``.
 
-So a polynomial jump costs about 8 ms plus 0.6 ms per bit of ``k`` beyond 14, whatever ``k`` (the worst case, ``k``
-of 19,937 bits or more, about 12 s), and well under 0.1 ms up to 30 blocks; the first one in a process also builds
-the polynomial tables (0.08 to 0.25 s measured). Drawing costs 2.15 ns per output. ``jumped_state`` draws below
-``DRAWING_CROSSOVER`` = 5,000,000 outputs, where the two meet, and jumps from there.
+Either way the last 256 powers ``x^M mod p`` computed are kept, by ``M``, bit-packed (2.5 KB each, at most 0.7 MB in
+all): a distance jumped again from the same place in a block (identical layers make the same jumps) skips the
+power and pays only the stream and its sums.
 
-The FFTs run on torch's intra-op threads (MKL). With more busy threads than cores each FFT can wait for a scheduler
-time slice: with 2 threads on this machine under a load of about 3, jumps of 3 to 8 million outputs took 45 to
-110 ms instead of 11. Processes that share a machine (one per rank) are best run with fewer threads anyway.
+Costs measured on the development machine (AMD EPYC, 2 cores shared with other jobs, torch 2.13.0 CPU with
+``torch.set_num_threads(1)``; best of 5 to 9 runs, CPU time), from a state mid-block, jumping by ``k`` outputs: a
+fresh distance (``x^M mod p`` computed) and a repeated one (it cached), with the C routines and with the torch path
+(``benchmarks/generator_jump.py`` measures them):
+
+=========  ==========  ==========  ===========  ===========  =========================
+``k``      C, fresh    C, again    torch,       torch,       drawing
+                                   fresh        again
+=========  ==========  ==========  ===========  ===========  =========================
+10         0.03 ms     0.03 ms     0.03 ms      0.03 ms      0.04 ms
+1,000      0.04 ms     0.04 ms     0.10 ms      0.10 ms      0.04 ms
+10^5       0.19 ms     0.12 ms     8.6 ms       4.8 ms       0.25 ms
+10^6       0.36 ms     0.22 ms     10 ms        4.8 ms       2.2 ms
+5 * 10^6   0.40 ms     0.22 ms     11 ms        5 ms         11 ms
+2^23       0.42 ms     0.22 ms     12 ms        4.9 ms       18 ms
+2^32       0.62 ms     0.22 ms     19 ms        5 ms         9 s (extrapolated)
+2^40       0.80 ms     0.22 ms     22 ms        5 ms         40 min (extrapolated)
+2^64       1.3 ms      0.22 ms     41 ms        4.6 ms       2,400 years (extrapolated)
+2^128      2.7 ms      0.22 ms     80 ms        5 ms
+=========  ==========  ==========  ===========  ===========  =========================
+
+With the C routines a jump costs about 0.2 ms plus 20 us per bit of ``k`` beyond 14 (the worst case, ``k`` of
+19,937 bits or more, about 0.4 s), and 0.22 ms for a repeated distance (less below 10^5 outputs, where ``x^M mod p``
+has few terms); the first one in a process about 1.5 ms. With the torch path alone it costs about 8 ms plus 0.6 ms
+per bit of ``k`` beyond 14 (the worst case about 12 s), 5 ms for a repeated distance, and the first one in a
+process also builds the FFT tables (about 0.05 to 0.15 s). Either way it costs well under 0.1 ms up to 30 blocks.
+Drawing costs 2.15 ns per output, plus 0.04 ms. So with the C routines the two meet within the first 1,000 outputs
+(a jump past the current block measured 0.036 ms, drawing 700 outputs 0.040 ms), and ``jumped_state`` draws only
+below ``DRAWING_CROSSOVER`` = 1,000 outputs; with the torch path alone they meet at about 5,000,000 outputs, and
+``DRAWING_CROSSOVER`` is that. A jump to a far distance still costs what drawing 100,000 (repeated)
+to 300,000 (fresh, up to ``2^32``) outputs costs with the C routines: ``FAR_JUMP_COST`` says so.
+
+The torch path's FFTs run on torch's intra-op threads (MKL). With more busy threads than cores each FFT can wait for
+a scheduler time slice: with 2 threads on this machine under a load of about 3, jumps of 3 to 8 million outputs took
+45 to 110 ms instead of 11, so that path runs on one thread (``_one_thread``). Processes that share a machine (one
+per rank) are best run with fewer threads anyway. The C routines use no torch threads and release the GIL: jumps
+in several threads run at once.
 
 Only torch and the standard library are used (no numpy).
 """
@@ -78,16 +104,22 @@ import functools
 import operator
 import struct
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DRAWING_CROSSOVER", "advance_by_drawing", "advance_by_polynomial", "jumped_state"]
+from modattrs._compiled import speedups as _speedups
 
-#: From this many outputs on ``jumped_state`` jumps; below it, past the current block, it draws. Measured: both
-#: take about 11 ms there (module docstring).
-DRAWING_CROSSOVER = 5_000_000
+__all__ = ["DRAWING_CROSSOVER", "FAR_JUMP_COST", "advance_by_drawing", "advance_by_polynomial", "jumped_state"]
+
+#: From this many outputs on ``jumped_state`` jumps; below it, past the current block, it draws. Where both cost
+#: the same (module docstring): about 0.04 ms with the C extension, 11 ms with the torch path alone.
+DRAWING_CROSSOVER = 1_000 if _speedups is not None else 5_000_000
+#: What a jump to a distance of 10^6 outputs or more costs, counted in outputs drawn in that time (module docstring):
+#: 0.22 ms (repeated distance) to 0.6 ms (fresh, up to 2^32) with the C extension, 5 to 12 ms with the torch path.
+FAR_JUMP_COST = 200_000 if _speedups is not None else 5_000_000
 
 _STATE_BYTES = 5056
 _HEADER = struct.Struct("=QiiQ")  # initial seed, left, seeded, next
@@ -109,6 +141,23 @@ _STEP_FFT = 20_000  # >= _DEGREE + 2: the cyclic length at which a halving step'
 _FINAL_FFT = 40_000  # >= 2 * _DEGREE
 _WORDS_FFT = 20_736  # >= _STREAM
 _TOP_BITS_LIMIT = _DEGREE  # x^m for m below this needs no reduction
+_PACKED_BYTES = (_DEGREE + 1 + 7) // 8  # 2,493: a polynomial of degree up to 19,937, 8 coefficients a byte
+
+#: The exponents of ``p``'s terms, the characteristic polynomial of MT19937's transition (135 terms). Berlekamp-Massey
+#: on torch's own engine gives it (tests/test_generator_jump.py checks it so); written out, a process's first jump
+#: skips that (80 ms).
+_P_TERMS = (
+    0, 1189, 1416, 1585, 1643, 1870, 2493, 2773, 3000, 3227, 3454, 3681, 3908, 4135, 4362, 4753, 5661, 6337, 6569,
+    7129, 7477, 7525, 7583, 7752, 7979, 8206, 9505, 9901, 9969, 10128, 10693, 10761, 10920, 11089, 11147, 11157,
+    11215, 11321, 11374, 11384, 11485, 11611, 11712, 11717, 11838, 11881, 11944, 11997, 12277, 12335, 12393, 12504,
+    12509, 12620, 12673, 12731, 12736, 12789, 12905, 12958, 12963, 13137, 13185, 13190, 13243, 13301, 13412, 13528,
+    13533, 13639, 13697, 13760, 13813, 13866, 14093, 14151, 14209, 14320, 14325, 14436, 14547, 14552, 14605, 14721,
+    14774, 14779, 14953, 15001, 15006, 15059, 15117, 15228, 15344, 15349, 15455, 15513, 15576, 15629, 15682, 15909,
+    15967, 16025, 16136, 16141, 16252, 16363, 16368, 16421, 16537, 16590, 16595, 16817, 16822, 16875, 16933, 17044,
+    17160, 17271, 17329, 17445, 17498, 17725, 17783, 17841, 17952, 18068, 18179, 18237, 18406, 18633, 18691, 18860,
+    19087, 19314, 19937,
+)  # fmt: skip
+_P_PACKED = sum(1 << term for term in _P_TERMS).to_bytes(_PACKED_BYTES, "little")
 
 _DRAW_CHUNK = 1 << 20  # outputs drawn per random_ call: 1 MiB of scratch
 
@@ -142,7 +191,9 @@ def advance_by_drawing(state: torch.Tensor, outputs: int) -> torch.Tensor:
 
 
 def advance_by_polynomial(state: torch.Tensor, outputs: int) -> torch.Tensor:
-    """``jumped_state``'s result by polynomial jump-ahead: about 8 ms plus 0.6 ms per bit of ``outputs`` beyond 14.
+    """``jumped_state``'s result by polynomial jump-ahead: with the C extension about 0.2 ms plus 20 us per bit of
+    ``outputs`` beyond 14, and 0.22 ms for a distance jumped before; with the torch path alone (no extension built)
+    about 8 ms plus 0.6 ms per bit, and 5 ms for a distance jumped before. Short jumps cost less (module docstring).
 
     Same arguments, result and errors as ``jumped_state``; the module docstring describes the method.
     """
@@ -238,9 +289,7 @@ def _advance_by_polynomial(parsed: _Parsed) -> torch.Tensor:
         return _with_position(parsed, parsed.left - parsed.outputs, parsed.next + parsed.outputs, parsed.words)
     beyond = parsed.outputs - in_block  # >= 1 outputs from the twisted blocks
     blocks, last = divmod(beyond - 1, _N)  # the output lands in twisted block `blocks + 1`, at index `last`
-    with _one_thread():
-        words = _twisted(parsed.words, blocks + 1)
-    return _with_position(parsed, _N - last, last + 1, words)
+    return _with_position(parsed, _N - last, last + 1, _twisted(parsed.words, blocks + 1))
 
 
 @contextlib.contextmanager
@@ -274,9 +323,91 @@ _threads_before = 1  # the thread count when the first of them began
 def _twisted(words: torch.Tensor, blocks: int) -> torch.Tensor:
     """The array after ``blocks`` (>= 1) twists of ``words``: ``w[624 blocks .. 624 blocks + 623]``."""
     exponent = (_N * blocks - 1) % _PERIOD
-    if exponent < _DEGREE:  # x^M mod p is x^M itself: the words are the stream's, from M + 1 on
-        return _untempered(words, exponent + 1 + _N)[exponent + 1 :]
-    return _correlate(_power_of_x(exponent), _untempered(words, _STREAM))
+    speedups = _speedups
+    if speedups is not None:  # the same sums in C, from the same bits: the same words
+        array = bytearray(_N * 8)
+        torch.frombuffer(array, dtype=torch.int64).copy_(words)
+        speedups.mt19937_twisted(array, _coefficients(exponent))
+        return torch.frombuffer(array, dtype=torch.int64)
+    with _one_thread():
+        if exponent < _DEGREE:  # x^M mod p is x^M itself: the words are the stream's, from M + 1 on
+            return _untempered(words, exponent + 1 + _N)[exponent + 1 :]
+        return _correlate(_unpacked(_coefficients(exponent)), _untempered(words, _STREAM))
+
+
+def _coefficients(exponent: int) -> bytes:
+    """``x^exponent mod p`` bit-packed (coefficient ``j`` in bit ``j % 8`` of byte ``j // 8``): from ``_powers``."""
+    if exponent < _DEGREE:
+        return (1 << exponent).to_bytes(_PACKED_BYTES, "little")
+    return _powers.get(exponent)
+
+
+class _Powers:
+    """The last ``kept`` results of ``x^M mod p`` by ``M``, bit-packed: a distance jumped again (identical layers
+    make the same jumps) costs only the stream and its sums. Each entry is a 2,493-byte ``bytes`` (about 2.6 KB with
+    its key and link), so 256 of them hold at most 0.7 MB. Shared by threads: the lock guards the table only, and a
+    power is computed outside it (two threads missing the same one compute it twice, with the same result)."""
+
+    def __init__(self, kept: int) -> None:
+        self.kept = kept
+        self._lock = threading.Lock()
+        self._table: OrderedDict[int, bytes] = OrderedDict()
+
+    def get(self, exponent: int) -> bytes:
+        with self._lock:
+            packed = self._table.get(exponent)
+            if packed is not None:
+                self._table.move_to_end(exponent)
+                return packed
+        packed = _power_of_x_packed(exponent)
+        with self._lock:
+            self._table[exponent] = packed
+            self._table.move_to_end(exponent)
+            while len(self._table) > self.kept:
+                self._table.popitem(last=False)
+        return packed
+
+    def clear(self) -> None:
+        with self._lock:
+            self._table.clear()
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __contains__(self, exponent: object) -> bool:
+        return exponent in self._table
+
+
+_powers = _Powers(256)
+
+
+def _power_of_x_packed(exponent: int) -> bytes:
+    """``x^exponent mod p``, bit-packed: in C by squaring (about 20 us a bit of ``exponent`` past its top 14), else
+    by ``_power_of_x`` in torch (about 0.6 ms a bit), with the same result."""
+    speedups = _speedups
+    if speedups is not None:
+        big_endian = exponent.to_bytes((exponent.bit_length() + 7) // 8, "big")
+        packed: bytes = speedups.mt19937_power_of_x(big_endian, _P_PACKED)
+        return packed
+    with _one_thread():
+        return _packed(_power_of_x(exponent))
+
+
+def _packed(coefficients: torch.Tensor) -> bytes:
+    """A float64 tensor of 0s and 1s, lowest degree first, bit-packed."""
+    bits = torch.zeros(_PACKED_BYTES * 8, dtype=torch.int64, device="cpu")
+    bits[: coefficients.numel()] = coefficients.to(torch.int64)
+    weights = torch.arange(8, dtype=torch.int64, device="cpu")
+    packed = bytearray(_PACKED_BYTES)
+    torch.frombuffer(packed, dtype=torch.uint8).copy_((bits.view(-1, 8) << weights).sum(1))
+    return bytes(packed)
+
+
+def _unpacked(packed: bytes) -> torch.Tensor:
+    """``_packed``'s inverse: the coefficients of degree 0 to 19,936 as a float64 tensor of 0s and 1s."""
+    digits = torch.frombuffer(bytearray(packed), dtype=torch.uint8).to(torch.int64)
+    bits = (digits[:, None] >> torch.arange(8, dtype=torch.int64, device="cpu")) & 1
+    return bits.view(-1)[:_DEGREE].to(torch.float64)
 
 
 def _untempered(words: torch.Tensor, count: int) -> torch.Tensor:
@@ -350,11 +481,11 @@ class _Tables:
 
 @functools.cache
 def _tables() -> _Tables:
-    """Built on the first jump (0.1 to 0.25 s): the characteristic polynomial and the spectra the jumps use.
+    """Built on the first jump by the torch path (0.05 to 0.15 s): the spectra its jumps use.
 
     Every tensor here and below is made on the CPU explicitly, whatever ``torch.set_default_device`` says.
     """
-    q = _connection_polynomial()
+    q = sum(1 << (_DEGREE - term) for term in _P_TERMS)  # Q: p reversed
     q_bits = _bits(bin(q)[2:].zfill(_DEGREE + 1)[::-1])
     # u = 1 / Q: u_0 = 1 and u_t = sum_(i=1..t) Q_i u_(t - i); `reversed_u` holds u_(t-1), ..., u_0 from bit 0 up
     shifted, reversed_u = q >> 1, 1
@@ -372,30 +503,3 @@ def _tables() -> _Tables:
 def _bits(digits: str) -> torch.Tensor:
     """A string of 0s and 1s as a float64 tensor of them, in the same order."""
     return torch.frombuffer(bytearray(digits.encode("ascii")), dtype=torch.uint8).to(torch.float64) - ord("0")
-
-
-def _connection_polynomial() -> int:
-    """``Q(x) = x^19937 p(1/x)``, bit i the coefficient of x^i: Berlekamp-Massey on the top bits of 39,874 words.
-
-    Every non-zero sequence of one bit of the words has minimal polynomial ``p`` (``p`` is irreducible), so any
-    start will do: the array ``manual_seed(5489)`` gives.
-    """
-    seeded = torch.Generator(device="cpu")
-    seeded.manual_seed(5489)
-    start = seeded.get_state()[_ARRAY_START:_ARRAY_END].view(torch.int64).clone()
-    length = 2 * _DEGREE
-    digits = (_untempered(start, length + 1)[1:] >> 31) + ord("0")
-    # `sequence` holds s_0 at its highest bit, so `sequence >> (length - 1 - t)` ends with s_t at bit 0
-    sequence = int(bytes(digits.tolist()).decode("ascii"), 2)
-    connection, previous, degree, gap = 1, 1, 0, 1
-    for t in range(length):
-        if (((sequence >> (length - 1 - t)) & connection).bit_count() & 1) == 0:
-            gap += 1
-        elif 2 * degree <= t:
-            connection, previous, degree, gap = connection ^ (previous << gap), connection, t + 1 - degree, 1
-        else:
-            connection ^= previous << gap
-            gap += 1
-    if degree != _DEGREE:
-        raise RuntimeError(f"Berlekamp-Massey found a recurrence of degree {degree}, not {_DEGREE}: MT19937 is broken")
-    return connection

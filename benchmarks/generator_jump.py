@@ -1,0 +1,105 @@
+"""What jumping torch's CPU generator ahead costs (``modattrs._deferred.mt19937``), against drawing.
+
+Run with ``python benchmarks/generator_jump.py``. For jumps of ``k`` outputs from a state in mid-block it prints the
+cost of a polynomial jump to a fresh distance (``x^M mod p`` computed: the cache of powers emptied before each
+run) and to a repeated one (the power cached), with the C routines of ``modattrs._speedups`` and with the torch
+path that runs without them, each as a ratio against drawing 1M outputs (``advance_by_drawing``) in the same process
+and in milliseconds: the best and the median of the runs, CPU time of the measuring thread
+(``time.thread_time``), with ``torch.set_num_threads(1)``. Then, for distances around ``DRAWING_CROSSOVER`` and
+beyond, drawing against jumping. Every jump is checked to give the state drawing gives (beyond 2^23 outputs, the C
+routines' state the torch path's).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from modattrs._deferred import mt19937
+
+RUNS = 9
+DISTANCES = {"1e5": 10**5, "1e6": 10**6, "2^23": 2**23, "2^32": 2**32, "2^64": 2**64}
+
+
+def times_ms(fn: Callable[[], object], before: Callable[[], object] = lambda: None) -> tuple[float, float]:
+    """Best and median CPU time of ``fn`` in milliseconds, ``before`` run untimed ahead of each call."""
+    before()
+    fn()  # warm up
+    runs = []
+    for _ in range(RUNS):
+        before()
+        start = time.thread_time()
+        fn()
+        runs.append(time.thread_time() - start)
+    return min(runs) * 1e3, statistics.median(runs) * 1e3
+
+
+def jump_ms(state: torch.Tensor, outputs: int, compiled: bool, fresh: bool) -> tuple[float, float]:
+    speedups = mt19937._speedups
+    mt19937._speedups = speedups if compiled else None
+    try:
+        mt19937._powers.clear()
+        return times_ms(
+            lambda: mt19937.advance_by_polynomial(state, outputs), mt19937._powers.clear if fresh else lambda: None
+        )
+    finally:
+        mt19937._speedups = speedups
+        mt19937._powers.clear()
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    compiled = mt19937._speedups is not None
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
+    built = "built" if compiled else "NOT built (only the torch path runs)"
+    print(f"C routines {built}; DRAWING_CROSSOVER = {mt19937.DRAWING_CROSSOVER:,}")
+    generator = torch.Generator()
+    generator.manual_seed(0)
+    torch.empty(7).uniform_(generator=generator)  # a state in mid-block
+    state = generator.get_state()
+    for outputs in DISTANCES.values():
+        if outputs <= 2**23:  # drawing is the reference; beyond that, jumps are checked against each other
+            expected = mt19937.advance_by_drawing(state, outputs)
+        for use_c in (True, False) if compiled else (False,):
+            mt19937._speedups, kept = (mt19937._speedups if use_c else None), mt19937._speedups
+            try:
+                mt19937._powers.clear()
+                jumped = mt19937.advance_by_polynomial(state, outputs)
+            finally:
+                mt19937._speedups = kept
+            if outputs <= 2**23 and not torch.equal(jumped, expected):
+                raise AssertionError(f"a jump of {outputs} outputs gave another state than drawing")
+            if outputs > 2**23 and use_c:
+                expected = jumped
+            elif outputs > 2**23 and not torch.equal(jumped, expected):
+                raise AssertionError(f"a jump of {outputs} outputs gave another state in C than in torch")
+    best, median = times_ms(lambda: mt19937.advance_by_drawing(state, 10**6))
+    print(f"drawing 1M outputs: best {best:.2f} ms, median {median:.2f} ms (the ratios' unit)")
+    print(f"{'k':<6}{'jump':<30}{'best':>18}{'median':>18}")
+    for name, outputs in DISTANCES.items():
+        for use_c in (True, False) if compiled else (False,):
+            for fresh in (True, False):
+                label = f"{'C' if use_c else 'torch'}, {'fresh' if fresh else 'repeated'} distance"
+                jump_best, jump_median = jump_ms(state, outputs, use_c, fresh)
+                print(
+                    f"{name:<6}{label:<30}{jump_best / best:7.3f}x {jump_best:7.2f} ms"
+                    f"{jump_median / median:7.3f}x {jump_median:7.2f} ms"
+                )
+    print(f"drawing against jumping ({'C' if compiled else 'torch'} path), medians:")
+    crossover = mt19937.DRAWING_CROSSOVER
+    for outputs in sorted({crossover // 2, crossover, 2 * crossover, 10**4, 10**5, 10**6}):
+        drawing = times_ms(partial(mt19937.advance_by_drawing, state, outputs))[1]
+        fresh = jump_ms(state, outputs, compiled, fresh=True)[1]
+        repeated = jump_ms(state, outputs, compiled, fresh=False)[1]
+        print(
+            f"  {outputs:>10,} outputs: drawing {drawing:7.3f} ms, jump {fresh:7.3f} ms fresh, {repeated:7.3f} ms again"
+        )
+
+
+if __name__ == "__main__":
+    main()
