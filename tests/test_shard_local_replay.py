@@ -223,3 +223,27 @@ def test_a_rank_never_holds_the_unsharded_parameter() -> None:
     parameter_mib = 4096 * 4096 * 4 / 2**20  # 64 MiB, the shard 8 MiB
     assert growth_mib < parameter_mib / 2, f"peak grew by {growth_mib:.1f} MiB for a {shard_mib:.1f} MiB shard"
     assert growth_mib < 3 * shard_mib
+
+
+@pytest.mark.parametrize("op", ["normal_", "uniform_", "exponential_"])
+@pytest.mark.parametrize(("start", "stop"), [(0, 0), (3, 20), (16, 37), (0, 37), (36, 37)])
+@pytest.mark.parametrize("ahead", [0, 1000, 3_000_000])
+def test_a_part_drawn_from_an_earlier_state_is_the_parts_values_and_ends_where_the_whole_draw_does(
+    op: str, start: int, stop: int, ahead: int
+) -> None:
+    from modattrs._deferred import draws
+    from modattrs._deferred.mt19937 import jumped_state
+
+    earlier = torch.Generator().manual_seed(7).get_state()
+    before = jumped_state(earlier, ahead)
+    eager_generator = torch.Generator()
+    eager_generator.set_state(before)
+    whole = getattr(torch.empty(37), op)(generator=eager_generator)
+    pattern = draws.pattern(getattr(torch.ops.aten, op).default, (torch.empty(37, device="meta"),), {})
+    assert pattern is not None
+    values, end, position = pattern.draw_with_end(earlier, start, stop, ahead=ahead)
+    assert torch.equal(values, whole[start:stop])
+    if end is not None:  # the rest of the draw from there is the state after it
+        assert torch.equal(jumped_state(end, pattern.outputs(before) - position), eager_generator.get_state())
+    else:
+        assert start == stop

@@ -234,26 +234,44 @@ class Pattern:
                 merged.append(block)
         return tuple(merged)
 
-    def draw(self, state: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    def draw(self, state: torch.Tensor, start: int, stop: int, *, ahead: int = 0) -> torch.Tensor:
         """Elements ``start`` to ``stop - 1`` (memory order) of the operation's result from ``state``, as a new 1-D
         tensor: bit for bit ``result_in_memory_order[start:stop]`` of the operation run from ``state``.
 
         Jumps to the first output those elements read and draws only what they need (at most 15 more elements at
-        either end, for the block path); ``state`` is left as it was.
+        either end, for the block path); ``state`` is left as it was. ``ahead``: ``state`` is that many outputs
+        before the operation's first, which the jump adds to its distance (one jump, not two).
         """
+        return self.draw_with_end(state, start, stop, ahead=ahead)[0]
+
+    def draw_with_end(
+        self, state: torch.Tensor, start: int, stop: int, *, ahead: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """``draw``'s result, with where its last private generator stopped: its state, and how many outputs after
+        the operation's first that is (``None, 0`` when nothing was drawn, and for ``PAIRS``, whose positions
+        depend on the cached normal). A caller that goes on from there jumps a distance that repeats from one
+        identical layer to the next (a jump whose power of x is known, see ``mt19937``), not from ``state``."""
         self._check_range(start, stop, "draw")
+        if not isinstance(ahead, int) or isinstance(ahead, bool) or ahead < 0:
+            raise ValueError(f"Pattern.draw: `ahead` must be a non-negative int (outputs), got {ahead!r}")
         parts: list[torch.Tensor] = []
+        end: tuple[torch.Generator | None, int] = (None, 0)
         if start < stop and self.kind == SERIAL:
             scratch = torch.empty(stop - start, dtype=self.dtype, device="cpu")
-            self.fill(scratch, _generator(jumped_state(state, self.per_draw * start)))
+            generator = _generator(jumped_state(state, ahead + self.per_draw * start))
+            self.fill(scratch, generator)
             parts.append(scratch)
+            end = generator, self.per_draw * stop
         elif start < stop and self.kind == BLOCKS:
-            parts.extend(self._draw_blocks(state, start, stop))
-        elif start < stop:
-            parts.extend(self._draw_pairs(state, start, stop))
-        if not parts:
-            return torch.empty(0, dtype=self.dtype, device="cpu")
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            end = self._draw_blocks(state, start, stop, ahead, parts)
+        elif start < stop:  # a jump keeps the cached normal, which element 0 may be: jumped first
+            parts.extend(self._draw_pairs(jumped_state(state, ahead) if ahead else state, start, stop))
+        if len(parts) == 1:
+            values = parts[0]
+        else:
+            values = torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype, device="cpu")
+        last, position = end
+        return values, (None if last is None else last.get_state()), position
 
     def state_after(self, state: torch.Tensor) -> torch.Tensor:
         """The generator's state after the whole operation from ``state``: ``jumped_state(state, outputs)``, with the
@@ -326,15 +344,17 @@ class Pattern:
         """The first element of the redrawn last 16 (``numel`` when nothing is redrawn)."""
         return self.numel if self.tail_output is None else self.numel - _BLOCK
 
-    def _draw_blocks(self, state: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
-        parts: list[torch.Tensor] = []
+    def _draw_blocks(
+        self, state: torch.Tensor, start: int, stop: int, ahead: int, parts: list[torch.Tensor]
+    ) -> tuple[torch.Generator | None, int]:
+        """Append the parts of elements ``start:stop``; return the last generator used and its position."""
         generator: torch.Generator | None = None
-        position = 0  # outputs consumed by `generator` since `state`
+        position = 0  # outputs consumed by `generator` since the operation's first
         end = min(stop, self._tail_begin)
         if start < end:
             first, last = start // _BLOCK, -(-end // _BLOCK)
             position = _BLOCK * self.per_draw * first
-            generator = _generator(jumped_state(state, position))
+            generator = _generator(jumped_state(state, ahead + position))
             # whole blocks only, so that the scratch takes the block path without a tail of its own
             scratch = torch.empty(_BLOCK * (last - first), dtype=self.dtype, device="cpu")
             self.fill(scratch, generator)
@@ -342,13 +362,15 @@ class Pattern:
             parts.append(scratch[start - _BLOCK * first : end - _BLOCK * first])
         if stop > self._tail_begin and self.tail_output is not None:
             if generator is None:  # from `state`; else from where the blocks ended, at most 32 k outputs before
-                here = jumped_state(state, self.tail_output)
+                here = jumped_state(state, ahead + self.tail_output)
             else:
                 here = jumped_state(generator.get_state(), self.tail_output - position)
             scratch = torch.empty(_BLOCK, dtype=self.dtype, device="cpu")
-            self.fill(scratch, _generator(here))
+            generator = _generator(here)
+            self.fill(scratch, generator)
+            position = self.tail_output + _BLOCK * self.per_draw
             parts.append(scratch[max(start, self._tail_begin) - self._tail_begin : stop - self._tail_begin])
-        return parts
+        return generator, position
 
     def _draw_pairs(self, state: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
         parts: list[torch.Tensor] = []

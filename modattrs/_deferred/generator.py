@@ -264,7 +264,8 @@ class Walk:
         self.device = device
         self.draws = [index for index, op in enumerate(record.ops) if draws_on_cpu(op, device)]
         self.states = record.states.setdefault("" if device is None else str(device), {})
-        self.live: int | None = None  # the generator holds the state after the first `live` operations
+        self.live: int | None = None  # the generator holds the state after the first `live` operations ...
+        self.pending = 0  # ... but for this many outputs, which it is yet to be jumped over
         self._resolve = resolve
         self._scratch: dict[int, torch.Tensor] = {}  # memory the draws it runs without keeping write into
         self._outputs: dict[int, int | None] = {}  # by draw: see _outputs_of
@@ -276,23 +277,63 @@ class Walk:
 
     def before(self, index: int) -> None:
         """Set the generator to the state the draw at ``index`` draws from in eager code."""
+        self.ahead_of(index)
+        self._jump_pending()
+        self.live = None
+
+    def ahead_of(self, index: int) -> tuple[torch.Tensor, int]:
+        """The generator's state and how many outputs before the draw at ``index`` it is: the draw reads the state
+        ``jumped_state(state, outputs)``, jumped here by whoever draws a part of it, in one jump with the jump to
+        that part (``skipped`` then notes the draw)."""
         op = self.record.ops[index]
         if op.reset is not None:
             _set_state(self._reset_of(index))
+            self.pending = 0
         else:
-            self.reach(index)
-        self.live = None
+            self._reach(index)
+        return real_state(), self.pending
 
     def ran(self, index: int) -> None:
         """Note that the draw at ``index`` ran for real, from the state ``before`` set."""
         self.live = index + 1
         self.record.drawn.add(index)
 
+    def skipped(self, index: int) -> None:
+        """Note that the draw at ``index`` was not run (a part of its result was drawn apart, see
+        ``Note [Replaying only the part that is kept]``): the generator is where ``ahead_of`` left it."""
+        self.live = index
+        self.record.drawn.add(index)
+
+    def drew_part(self, index: int, state: torch.Tensor | None, position: int) -> None:
+        """Note that a part of the draw at ``index`` was drawn apart (``ahead_of``), by a private generator that
+        stopped in ``state``, ``position`` outputs after the draw's first: the generator goes there, so that the
+        next jump starts from a place that repeats from one identical layer to the next. Without a ``state``, or
+        for a draw whose count of outputs depends on the state, the generator stays (``skipped``)."""
+        outputs = self._outputs_of(index)
+        if state is None or outputs is None:
+            self.skipped(index)
+            return
+        _set_state(state)
+        self.live, self.pending = index + 1, outputs - position
+        self.record.drawn.add(index)
+
     def reach(self, count: int) -> None:
         """Set the generator to the state after the first ``count`` operations drew, as in eager code."""
+        self._reach(count)
+        self._jump_pending()
+
+    def _jump_pending(self) -> None:
+        if self.pending:
+            _set_state(jumped_state(real_state(), self.pending))
+            self.pending = 0
+
+    def _reach(self, count: int) -> None:
+        """``reach``, leaving the last jump pending: ``self.pending`` outputs."""
         if self.live == count:
             return
         start = self._nearest_known(count)
+        behind = self.pending if start == self.live else 0  # outputs the generator has yet to move by
+        self.pending = 0
         if start != self.live:
             if start in self.states:
                 _set_state(self.states[start])
@@ -300,7 +341,6 @@ class Walk:
                 _set_state(self._start())
             # else: a reset at `start`, set below
         ops = self.record.ops
-        behind = 0  # outputs the generator has yet to move by: jumped over together, not drawn
         for index in self.draws[bisect.bisect_left(self.draws, start) : bisect.bisect_left(self.draws, count)]:
             op = ops[index]
             if op.reset is not None:
@@ -319,15 +359,8 @@ class Walk:
                 behind = 0
             args, kwargs = op.arguments(scratch_arguments(op, self.device, self._scratch), self.device)
             op.func(*args, **kwargs)
-        if behind:
-            _set_state(jumped_state(real_state(), behind))
+        self.pending = behind
         self.live = count
-
-    def skipped(self, index: int) -> None:
-        """Note that the draw at ``index`` was not run (a part of its result was drawn apart, see
-        ``Note [Replaying only the part that is kept]``): the generator holds the state it draws from."""
-        self.live = index
-        self.record.drawn.add(index)
 
     def pattern_of(self, index: int) -> draws.Pattern | None:
         """How the operation at ``index`` reads the default CPU generator, if it is a draw from it that ``draws``
@@ -352,6 +385,7 @@ class Walk:
     def finish(self) -> None:
         """Remember where the replay got to, and forget the states no later replay would start from: those followed,
         up to the next state remembered, only by draws that are materialized or dead (see ``Record.dead_writes``)."""
+        self._jump_pending()
         if self.live is not None and self.live not in self.states:
             self.states[self.live] = real_state()
         settled = self.record.drawn | self.record.dead_writes()

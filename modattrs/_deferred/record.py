@@ -45,18 +45,19 @@ class Layout:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
+    span: range = field(init=False, compare=False)  # the elements of the storage it spans; empty without elements
 
-    def extent(self) -> range:
-        """The elements of the storage it spans (empty for a tensor without elements)."""
-        if not all(self.size):
-            return range(self.offset, self.offset)
-        low = self.offset + sum(
-            (size - 1) * stride for size, stride in zip(self.size, self.stride, strict=True) if stride < 0
-        )
-        high = self.offset + sum(
-            (size - 1) * stride for size, stride in zip(self.size, self.stride, strict=True) if stride > 0
-        )
-        return range(low, high + 1)
+    def __post_init__(self) -> None:
+        span = range(self.offset, self.offset)
+        if all(self.size):
+            low = high = self.offset
+            for size, stride in zip(self.size, self.stride, strict=True):
+                if stride < 0:
+                    low += (size - 1) * stride
+                else:
+                    high += (size - 1) * stride
+            span = range(low, high + 1)
+        object.__setattr__(self, "span", span)  # frozen: set once, here
 
 
 class Draws(enum.Enum):

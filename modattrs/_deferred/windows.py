@@ -119,7 +119,7 @@ class Window:
     def view(self, layout: Layout) -> torch.Tensor:
         """The tensor of ``layout`` (which lies within the window) on the window's memory."""
         memory = self.memory()  # 1-D, its elements adjacent, but maybe not at the start of its storage
-        offset = layout.offset - self.start if layout.extent() else 0
+        offset = layout.offset - self.start if layout.span else 0
         return memory.as_strided(layout.size, layout.stride, memory.storage_offset() + offset)
 
     def stand_in(self) -> torch.Tensor:
@@ -157,7 +157,7 @@ def plan(
         if layout is None or layout.storage != storage:
             whole.add(storage)
         else:
-            spans.setdefault(storage, []).append(layout.extent())
+            spans.setdefault(storage, []).append(layout.span)
     windows: dict[int, Window] = {}
     for storage, indices in touching.items():
         if storage in whole:
@@ -206,7 +206,7 @@ def _window(
                 return None  # makes a tensor on this storage without being a view
             else:
                 roles[index] = Role.READ
-                spans.extend(_slot_layout(slot, layouts).extent() for slot in on)
+                spans.extend(_slot_layout(slot, layouts).span for slot in on)
             continue
         if len(written) != 1 or len(op.slots) != 1 or op.constant_slots or op.writes != {storage}:
             return None  # writes from another tensor, or through several arguments
@@ -219,7 +219,7 @@ def _window(
         elif op.draws.value == 0 and (func in _ELEMENTWISE_EXTRA or _in_place_pointwise(func)):
             roles[index] = Role.ELEMENTWISE
             if not covers:
-                partial[index] = layout.extent()
+                partial[index] = layout.span
         else:
             return None
     extent = range(math.prod(whole.size))
@@ -331,16 +331,17 @@ def run(
         (window,) = on
         for ref in op.out_refs:
             layout = layouts[ref] if ref is not None else None
-            if layout is not None and _within(layout.extent(), window):
+            if layout is not None and _within(layout.span, window):
                 env[ref] = window.view(layout)  # type: ignore[index]
         return True
     if Role.OUTSIDE in roles:
         return True
     if Role.DRAW in roles:
         (window,) = on
-        walk.before(index)
-        window.filled(window.patterns[index].draw(generator.real_state(), window.start, window.stop))
-        walk.skipped(index)
+        state, ahead = walk.ahead_of(index)
+        values, end, position = window.patterns[index].draw_with_end(state, window.start, window.stop, ahead=ahead)
+        window.filled(values)
+        walk.drew_part(index, end, position)
         return True
     if Role.ELEMENTWISE in roles:
         (window,) = on
