@@ -186,10 +186,8 @@ def _window(
     for index in indices[1:]:
         op = ops[index]
         on = [slot for slot in op.slots if slot.storage == storage]
-        if any(layouts.get(slot.ref) != _slot_layout(slot, layouts) for slot in on):
-            return None  # a ref whose geometry changed in place, or that the record did not lay out
-        if any(slot.dtype != whole.dtype for slot in on):
-            return None
+        if not all(_laid_out(slot, layouts, whole.dtype) for slot in on):
+            return None  # a ref whose geometry changed in place, not laid out, or in another dtype
         func = op.func
         if not isinstance(func, OpOverload):
             return None  # an opaque initializer: its effect on a part is unknown
@@ -206,11 +204,11 @@ def _window(
                 return None  # makes a tensor on this storage without being a view
             else:
                 roles[index] = Role.READ
-                spans.extend(_slot_layout(slot, layouts).span for slot in on)
+                spans.extend(layouts[slot.ref].span for slot in on)
             continue
         if len(written) != 1 or len(op.slots) != 1 or op.constant_slots or op.writes != {storage}:
             return None  # writes from another tensor, or through several arguments
-        layout = _slot_layout(written[0], layouts)
+        layout = layouts[written[0].ref]
         covers = layout.offset == 0 and _contiguous(layout) and math.prod(layout.size) == math.prod(whole.size)
         pattern = pattern_of(index) if covers else None
         if pattern is not None:
@@ -250,10 +248,18 @@ def _created(op: Op, storage: int, layouts: Mapping[int, Layout]) -> Layout | No
     return layout
 
 
-def _slot_layout(slot: Slot, layouts: Mapping[int, Layout]) -> Layout:
-    """Where a tensor given to an operation sits (slots do not hold offsets; its ref's layout does)."""
-    offset = layouts[slot.ref].offset if slot.ref in layouts else -1
-    return Layout(slot.storage, offset, slot.size, slot.stride, slot.dtype)
+def _laid_out(slot: Slot, layouts: Mapping[int, Layout], dtype: torch.dtype) -> bool:
+    """Whether a tensor given to an operation sits where its ref's layout says (slots hold no offsets), in
+    ``dtype``."""
+    layout = layouts.get(slot.ref)
+    return (
+        layout is not None
+        and slot.dtype == dtype
+        and layout.dtype == dtype
+        and layout.storage == slot.storage
+        and layout.size == slot.size
+        and layout.stride == slot.stride
+    )
 
 
 def _contiguous(layout: Layout) -> bool:
