@@ -9,11 +9,18 @@ alternating their runs.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import re
 import resource
 import statistics
 import time
 import timeit
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def median_ns(fn: Callable[[], object], number: int, repeat: int = 9) -> float:
@@ -57,3 +64,44 @@ LLAMA_2_7B = {
 def peak_mib() -> float:
     """The process's peak resident memory so far, in MiB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@contextlib.contextmanager
+def collected() -> Iterator[None]:
+    """Collect garbage, then keep the collector off for the block, as ``timeit`` does: a collection of the
+    benchmark's own garbage does not land inside a measured run."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def wall_s(fn: Callable[[], T]) -> tuple[float, T]:
+    """Wall-clock seconds of one call of ``fn``, and its result. The wall clock, not the thread's CPU time: for work
+    spread over several threads, which :func:`median_ns` would undercount."""
+    with collected():
+        start = time.perf_counter()
+        result = fn()
+        return time.perf_counter() - start, result
+
+
+def resident_kib(field: str) -> int:
+    """A memory figure of this process from ``/proc/self/status`` (``VmRSS``, ``VmHWM``), in KiB; 0 off Linux."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0
+    match = re.search(rf"^{field}:\s+(\d+) kB", status, re.MULTILINE)
+    return int(match.group(1)) if match else 0
+
+
+def reset_peak() -> int:
+    """Start measuring the peak of the resident set (``VmHWM``) from now (Linux); return the resident set's size
+    in KiB. Where the mark cannot be reset, the peak since the process began stands in."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+    return resident_kib("VmRSS")

@@ -1,9 +1,9 @@
 """FSDP2 with deferred initialization: every rank's shards are those of the eager model, at any world size.
 
 Each rank seeds the generator, builds the model with ``deferred_init`` (fake tensors, nothing allocated), shards it
-with ``fully_shard`` (each block, then the root) and only then materializes it, block by block: a rank holds its
-shards plus one unsharded block at a time. Each rank then builds the same model eagerly, in one process and
-unsharded, and checks that its shards are that model's slices (FSDP2 cuts dim 0 with ``torch.chunk``), bit for bit,
+with ``fully_shard`` (each block, then the root) and only then materializes it, in one call: a rank makes only its
+shards, each parameter's random fill drawn for the rank's rows alone, from a jumped generator state, and never
+holds an unsharded parameter. Each rank then builds the same model eagerly, in one process and unsharded, and checks that its shards are that model's slices (FSDP2 cuts dim 0 with ``torch.chunk``), bit for bit,
 and that the random generator ends where eager construction leaves it. A table gives, per world size, the time
 of the deferred flow against eager construction and each rank's peak memory against the model's size.
 
@@ -90,9 +90,7 @@ def worker() -> None:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     sharded = time.perf_counter()
-    for block in model.blocks:
-        materialize_module(block)  # this rank's shards of one block: the whole block exists only meanwhile
-    materialize_module(model)  # embedding and head; the generator ends where eager construction leaves it
+    materialize_module(model)  # this rank's shards, and nothing more; the generator ends where eager code leaves it
     end = time.perf_counter()
     peak_kib = resident_kib("VmHWM") - before
     generator_after = torch.get_rng_state()
@@ -129,7 +127,6 @@ def warm_up(mesh: DeviceMesh) -> None:
     small = deferred_init(nn.Sequential, nn.Linear(64, 64), nn.Linear(64, 64))
     fully_shard(small[0], mesh=mesh)
     fully_shard(small, mesh=mesh)
-    materialize_module(small[0])
     materialize_module(small)
     small(torch.ones(2, 64)).sum().backward()
 

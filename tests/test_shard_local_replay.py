@@ -247,3 +247,33 @@ def test_a_part_drawn_from_an_earlier_state_is_the_parts_values_and_ends_where_t
         assert torch.equal(jumped_state(end, pattern.outputs(before) - position), eager_generator.get_state())
     else:
         assert start == stop
+
+
+@pytest.fixture
+def empty_is_nan() -> Iterator[None]:
+    """torch.empty and the like fill what they make with NaN (deterministic mode): unfilled memory shows."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_the_padding_fsdp2_adds_to_an_uneven_shard_is_zeros_as_in_eager_sharding(rank: int, empty_is_nan: None) -> None:
+    from modattrs._torch_private import fsdp_padded_shards
+
+    make = lambda: nn.Linear(4, 10)  # noqa: E731  (10 rows over 4 ranks: the last has 1 row and 2 of padding)
+    with fake_world(4, rank) as mesh:
+        reference, _ = eager(make)
+        fully_shard(reference, mesh=mesh)  # eager sharding pads with zeros
+        expected = {name: shard.clone() for _, name, shard in fsdp_padded_shards(reference)}
+        torch.manual_seed(0)
+        model = deferred_init(make)
+        fully_shard(model, mesh=mesh)
+        materialize_module(model)
+        got = {name: shard for _, name, shard in fsdp_padded_shards(model)}
+    assert expected.keys() == got.keys()
+    for name, shard in got.items():
+        assert torch.equal(shard, expected[name]), name

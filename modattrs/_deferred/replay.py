@@ -78,6 +78,7 @@ def _run_kept(
     """Run the ``kept`` operations in order, keeping their results in ``env`` until their last use; ``parts``: the
     windows of storages made in part (see ``Note [Replaying only the part that is kept]``)."""
     frees = _last_uses(ops, kept, targets)
+    unfilled = _dead_fills(ops, kept, layouts or {})
     copies: Copies = {}
     roles: dict[int, list[windows.Window]] = {}
     for window in (parts or {}).values():
@@ -92,7 +93,9 @@ def _run_kept(
             assert parts is not None
             assert layouts is not None
             if not windows.run(op, index, on, parts, env, device, copies, walk, layouts):
-                _run(op, env, device, copies, tensors=windows.window_arguments(op, parts, env))
+                _run(
+                    op, env, device, copies, tensors=windows.window_arguments(op, parts, env), func=unfilled.get(index)
+                )
             for window in on:
                 if window.last == index:
                     window.tensor = window.make = None  # what reads it holds views of it
@@ -100,11 +103,41 @@ def _run_kept(
             draws = walk.is_draw(index)
             if draws:
                 walk.before(index)
-            _run(op, env, device, copies, threads if draws else 1)
+            _run(op, env, device, copies, threads if draws else 1, func=unfilled.get(index))
             if draws:
                 walk.ran(index)
         for ref in frees.get(index, ()):
             env.pop(ref, None)
+
+
+# Factories that fill what they make, and the factory with the same arguments that leaves it unfilled.
+_UNFILLED = {
+    torch.ops.aten.zeros.default: torch.ops.aten.empty.memory_format,
+    torch.ops.aten.ones.default: torch.ops.aten.empty.memory_format,
+    torch.ops.aten.new_zeros.default: torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_ones.default: torch.ops.aten.new_empty.default,
+}
+
+
+def _dead_fills(ops: list[Op], kept: set[int], layouts: Mapping[int, Layout]) -> dict[int, OpOverload]:
+    """The kept factories whose fill nothing reads (``new_zeros`` that a ``copy_`` overwrites whole before any
+    read, as FSDP2's padded shard), with the factory to run instead, which fills nothing: one pass over the memory
+    less, as a ``copy_`` into ``empty`` would be in eager code."""
+    filled: dict[int, int] = {}  # storage -> the factory that filled it, until something touches its values
+    dead: dict[int, OpOverload] = {}
+    for index in sorted(kept):
+        op = ops[index]
+        touched = {slot.storage for slot in op.slots} | op.writes
+        for storage in touched & filled.keys():
+            factory = filled.pop(storage)
+            neutral = isinstance(op.func, OpOverload) and op.func.is_view and not op.writes
+            if neutral or op.func is torch.ops.prim.device.default:
+                filled[storage] = factory  # a view or the device: no values read
+            elif op.value_writer and storage in op.overwrites and storage not in op.reads:
+                dead[factory] = _UNFILLED[ops[factory].func]  # type: ignore[index]
+        if op.func in _UNFILLED and len(op.out_refs) == 1 and op.out_refs[0] in layouts:
+            filled[layouts[op.out_refs[0]].storage] = index  # type: ignore[index]
+    return dead
 
 
 def _slice(ops: list[Op], targets: Mapping[int, int]) -> set[int]:
@@ -240,13 +273,14 @@ def _run(
     threads: int = 1,
     *,
     tensors: dict[int, torch.Tensor] | None = None,
+    func: OpOverload | None = None,
 ) -> None:
     if tensors is None:
         tensors = {slot.index: env[slot.ref] for slot in op.slots}
     args, kwargs = op.arguments(tensors, device, copies=copies)
     result = _filled_on_threads(op, args, kwargs, threads) if threads > 1 else None
     if result is None:
-        result = op.func(*args, **kwargs)
+        result = (func or op.func)(*args, **kwargs)
     if op.opaque:
         return  # an initializer that wrote into its argument, which env holds already
     leaves = [result] if isinstance(result, torch.Tensor) else tree_flatten(result)[0]
