@@ -40,7 +40,7 @@ import torch
 
 from modattrs._deferred import draws, generator
 from modattrs._deferred.record import Copies, Layout, Op, Record, Slot
-from modattrs._torch_private import OpOverload
+from modattrs._torch_private import OpOverload, operator_arguments, written_arguments
 
 __all__: list[str] = []
 
@@ -272,7 +272,8 @@ def _contiguous(layout: Layout) -> bool:
 
 
 def _in_place_pointwise(func: OpOverload) -> bool:
-    return torch.Tag.pointwise in func.tags and torch.Tag.inplace in func.tags
+    """An elementwise operation that writes its first argument (torch 2.8 has no ``inplace`` tag: the schema says)."""
+    return torch.Tag.pointwise in func.tags and any(position == 0 for position, _ in written_arguments(func))
 
 
 # --- running ---------------------------------------------------------------------------------------------------------
@@ -292,23 +293,22 @@ def create(op: Op, window: Window, arguments: tuple[Any, Any]) -> None:
     """Make the factory ``op`` the window's creator, run with the window's size instead of the whole storage's."""
     args, kwargs = arguments
     assert isinstance(op.func, OpOverload)
-    schema = op.func._schema
     flat_args = list(args)
     length = window.stop - window.start
-    for position, argument in enumerate(schema.arguments):
+    for position, name in enumerate(operator_arguments(op.func)):
         value: object
-        if argument.name == "size":
+        if name == "size":
             value = [length]
-        elif argument.name == "stride":
+        elif name == "stride":
             value = [1]
-        elif argument.name == "memory_format":
+        elif name == "memory_format":
             value = None
         else:
             continue
         if position < len(flat_args):
             flat_args[position] = value
-        elif argument.name in kwargs:
-            kwargs[argument.name] = value
+        elif name in kwargs:
+            kwargs[name] = value
 
     def make() -> torch.Tensor:
         made = op.func(*flat_args, **kwargs)
