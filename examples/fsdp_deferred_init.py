@@ -3,8 +3,9 @@
 Each rank seeds the generator, builds the model with ``deferred_init`` (fake tensors, nothing allocated), shards it
 with ``fully_shard`` (each block, then the root) and only then materializes it, in one call: a rank makes only its
 shards, each parameter's random fill drawn for the rank's rows alone, from a jumped generator state, and never
-holds an unsharded parameter. Each rank then builds the same model eagerly, in one process and unsharded, and checks that its shards are that model's slices (FSDP2 cuts dim 0 with ``torch.chunk``), bit for bit,
-and that the random generator ends where eager construction leaves it. A table gives, per world size, the time
+holds an unsharded parameter. Each rank then builds the same model eagerly, in one process and unsharded, and
+checks that its shards are that model's slices (FSDP2 cuts dim 0 with ``torch.chunk``), bit for bit, and that the
+random generator ends where eager construction leaves it. A table gives, per world size, the time
 of the deferred flow against eager construction and each rank's peak memory against the model's size.
 
 Run it with ``python examples/fsdp_deferred_init.py [WORLD_SIZE ...]`` (2 by default); it starts its

@@ -138,6 +138,24 @@ def wrap_meta(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device, at
     made = torch.Tensor._make_subclass(
         FakeTensor, meta, meta.requires_grad, dispatch_device=True, device_for_backend_keys=device
     )
+    return _fake_made(mode, made, attributes)
+
+
+def alias_fake(mode: FakeTensorMode, fake: FakeTensor, device: torch.device, attributes: dict[str, Any]) -> FakeTensor:
+    """A FakeTensor of ``mode`` that views all of ``fake``, on ``device`` (its own), made as :func:`wrap_meta` makes
+    one: what a detach of ``fake`` gives, without making a meta tensor first. ``_make_subclass`` detaches its
+    argument, here below the Python dispatch key, where a fake tensor is the meta tensor it holds: ``detach`` has one
+    kernel for every device (CompositeExplicitAutograd), which copies the tensor's metadata and touches no data or
+    device. No public API; checked on 2.8 to 2.15."""
+    with torch._C._DisableTorchDispatch():
+        made = torch.Tensor._make_subclass(
+            FakeTensor, fake, False, dispatch_device=True, device_for_backend_keys=device
+        )
+    return _fake_made(mode, made, attributes)
+
+
+def _fake_made(mode: FakeTensorMode, made: torch.Tensor, attributes: dict[str, Any]) -> FakeTensor:
+    """``made``, fresh from ``_make_subclass``, finished as torch's constructor finishes a FakeTensor."""
     if mode._allow_unsafe_data_ptr_access:
         torch._C._set_warn_deprecated_on_mutable_data_ptr(made)
     else:
@@ -242,6 +260,12 @@ def written_arguments(func: OpOverload) -> tuple[tuple[int, str], ...]:
         for index, argument in enumerate(func._schema.arguments)
         if argument.alias_info is not None and argument.alias_info.is_write
     )
+
+
+def returns_aliases(func: OpOverload) -> bool:
+    """Whether an aten operation returns a view of an argument, or an argument itself, by its schema: OpOverload has
+    no public accessor for the schema. Checked on 2.8 to 2.15."""
+    return any(result.alias_info is not None for result in func._schema.returns)
 
 
 #: aten's gamma and Dirichlet samplers, which ``torch.distributions`` draws through: underscore operators.

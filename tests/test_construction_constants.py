@@ -5,7 +5,7 @@ builds as it does eagerly; values of random draws and parameters are still refus
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -252,3 +252,82 @@ def test_deferred_init_refuses_values_of_random_draws_parameters_and_overwritten
         deferred_init(_Model, refuse)
 
     assert f"{__file__}:" in str(raised.value)
+
+
+def test_linspace_and_logspace_from_tensor_ends_take_their_values_and_refuse_ends_without(device: str) -> None:
+    between = torch.linspace(torch.tensor(2.0), torch.tensor(4.0), 3)
+    powers = torch.logspace(torch.tensor(0.0), 2, 3)
+
+    assert between.tolist() == [2.0, 3.0, 4.0]
+    assert powers.tolist() == [1.0, 10.0, 100.0]
+    assert between.device.type == powers.device.type == device
+    with pytest.raises(Exception, match="construction-time constants"):
+        torch.linspace(torch.empty(()), 1, 3).tolist()
+
+
+#: Pointwise operations on constants: small ones run on the values only.
+POINTWISE: dict[str, Callable[[], torch.Tensor]] = {
+    "rotary frequencies": lambda: 1.0 / (10_000.0 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16)),
+    "true division of ints": lambda: torch.arange(6) / 4,
+    "floor division": lambda: torch.div(torch.arange(6), 4, rounding_mode="floor"),
+    "broadcast": lambda: torch.arange(3).reshape(3, 1) * torch.arange(4.0).reshape(1, 4),
+    "0-dim tensor, ints and a float": lambda: torch.tensor(2.0) * torch.arange(3) + 0.5,
+    "half": lambda: torch.arange(3, dtype=torch.float16) * 2,
+    "comparison and where": lambda: torch.where(torch.arange(4) > 1, torch.arange(4), torch.zeros(4, dtype=torch.long)),
+    "clamp and exp": lambda: torch.arange(5.0).clamp(1, 3).exp(),
+    "transposed": lambda: torch.arange(6.0).reshape(2, 3).t() * 2,
+    "channels last": lambda: torch.ones(2, 3, 2, 2).clone(memory_format=torch.channels_last) + 1,
+    "too large to keep": lambda: torch.arange(128.0).reshape(128, 1) * torch.arange(64.0),
+}
+
+
+@pytest.mark.parametrize("operation", POINTWISE)
+def test_pointwise_operations_on_constants_give_torchs_shapes_strides_and_dtypes_and_eager_values(
+    operation: str,
+) -> None:
+    eager = POINTWISE[operation]()
+    with torch.device("meta"):
+        meta = POINTWISE[operation]()
+    for device in DEVICES:
+        with fake_mode(fake_cuda=device == "cuda"), torch.device(device):
+            made = POINTWISE[operation]()
+            values = made.tolist() if eager.numel() <= 4096 else None
+
+        assert is_fake(made)
+        assert (made.shape, made.stride(), made.dtype) == (meta.shape, meta.stride(), meta.dtype)
+        assert made.device.type == device
+        assert values == (eager.tolist() if eager.numel() <= 4096 else None)
+
+
+#: Factories of Python numbers whose results differ only by the type of a number or by the default dtype.
+NUMBER_FACTORIES: list[Callable[[], torch.Tensor]] = [
+    lambda: torch.arange(5),
+    lambda: torch.arange(5.0),
+    lambda: torch.arange(0, 8, 2, dtype=torch.float),
+    lambda: torch.linspace(0, 1, 5),
+    lambda: torch.eye(2, 3),
+    lambda: torch.scalar_tensor(1),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_factories_of_python_numbers_make_what_eager_makes_for_every_type_of_number_and_default_dtype(
+    device: str,
+) -> None:
+    default = torch.get_default_dtype()
+    try:
+        for dtype in (torch.float64, torch.float32):
+            torch.set_default_dtype(dtype)
+            eager = [make() for make in NUMBER_FACTORIES]
+            with fake_mode(fake_cuda=device == "cuda"), torch.device(device):
+                first = [make() for make in NUMBER_FACTORIES]
+                second = [make() for make in NUMBER_FACTORIES]
+                values = [(made.tolist(), again.tolist()) for made, again in zip(first, second, strict=True)]
+
+            for expected, made, again, (got, got_again) in zip(eager, first, second, values, strict=True):
+                assert (made.shape, made.stride(), made.dtype) == (expected.shape, expected.stride(), expected.dtype)
+                assert (again.shape, again.stride(), again.dtype) == (expected.shape, expected.stride(), expected.dtype)
+                assert got == got_again == expected.tolist()
+                assert made.device.type == again.device.type == device
+    finally:
+        torch.set_default_dtype(default)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from modattrs import ShapedTensor, VirtualTensor
+from modattrs._torch_private import address_of
 from modattrs.fake import fake_copy, fake_mode, is_fake, meta_like
 
 DEVICES = ["cpu", "cuda", "cuda:1"]
@@ -744,3 +745,33 @@ def test_a_fake_moved_or_cast_with_to_has_the_shape_strides_dtype_grad_and_devic
     )
     asked = torch.device(str(arguments.get("device", "cpu")))
     assert got.device == (torch.device("cuda", 0) if str(asked) == "cuda" else asked)
+
+
+def describe_detached(make: Callable[[], Tensor]) -> tuple[object, ...]:
+    """What a detach of a view of a leaf that requires grad gives, and what a write through it does."""
+    source = make()
+    detached = source.detach()
+    before = source._version
+    detached.zero_()
+    return (
+        detached.shape, detached.stride(), detached.storage_offset(), detached.dtype, detached.requires_grad,
+        detached.is_leaf, detached.grad_fn, source.requires_grad, source._version - before, detached._version - before,
+        address_of(detached.untyped_storage()) == address_of(source.untyped_storage()),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_detached_fake_views_its_storage_shares_its_version_and_tracks_no_grad_as_a_real_one_does(
+    device: str,
+) -> None:
+    def make() -> Tensor:
+        return torch.empty(5, 6, requires_grad=True)[1:, 2:]
+
+    eager = describe_detached(make)
+    with fake_mode(fake_cuda=device != "cpu"), torch.device(device):
+        faked = describe_detached(make)
+        parameter = nn.Parameter(torch.empty(2, 3))
+
+    assert faked == eager
+    assert is_fake(parameter)
+    assert (parameter.requires_grad, parameter.is_leaf, parameter.device.type) == (True, True, device[:4])
