@@ -61,7 +61,7 @@ _CREATORS = frozenset(
         aten.new_full.default,
     }
 )
-# Operations that read only the dtype and device of a tensor (or nothing of it): given the window instead.
+# Operations that read only the dtype and device of a tensor (or nothing of it): given a stand-in without elements.
 _METADATA = frozenset(
     {
         torch.ops.prim.device.default,
@@ -77,6 +77,8 @@ _ELEMENTWISE_EXTRA = frozenset({aten.fill_.Scalar, aten.zero_.default})
 
 
 class Role:
+    """What a kept operation is to a window (see the Note above)."""
+
     CREATE = "create"
     VIEW = "view"
     METADATA = "metadata"
