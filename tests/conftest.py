@@ -2,10 +2,14 @@
 
 ``ci`` is what ``tests/test_composition.py`` runs by default; ``long`` is for a long exploring run of it.
 
-The ``value_reader`` fixture runs a test with each implementation of ``VirtualTensor.value``'s reads.
+The ``value_reader`` fixture runs a test with each implementation of ``VirtualTensor.value``'s reads; the
+``one_torch_thread`` fixture runs it with torch on one intra-op thread.
 """
 
+from collections.abc import Iterator
+
 import pytest
+import torch
 from hypothesis import settings
 
 import modattrs
@@ -24,3 +28,15 @@ def value_reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     elif modattrs.virtual._speedups is None:
         pytest.skip("modattrs._speedups is not built in this install (test_compiled_read.py says why)")
     return str(request.param)
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """torch's intra-op thread count at 1 for the test, then as it was: random kernels draw serially anyway, and on
+    a shared machine threads cost small tensors more than they give."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

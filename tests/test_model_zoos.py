@@ -10,7 +10,7 @@ outside tox with ``python tests/support/install_torchvision_hook.py`` run once i
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -51,14 +51,7 @@ ARCHITECTURES: list[str] = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small models: threads cost more than they give on a shared machine
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def timm_model(name: str) -> Callable[[], nn.Module]:

@@ -27,12 +27,7 @@ FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 THREADS = (1, 2, 3, 8)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --- helpers ---------------------------------------------------------------------------------------------------------

@@ -27,12 +27,7 @@ INTEGERS = [torch.int64, torch.int32, torch.uint8, torch.bool]
 POSITION = slice(0, 5016)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --- helpers ---------------------------------------------------------------------------------------------------------
