@@ -43,13 +43,13 @@ def jump_ms(state: torch.Tensor, outputs: int, compiled: bool, fresh: bool) -> t
     speedups = mt19937._speedups
     mt19937._speedups = speedups if compiled else None
     try:
-        mt19937._powers.clear()
+        mt19937.forget_powers()
         return times_ms(
-            lambda: mt19937.advance_by_polynomial(state, outputs), mt19937._powers.clear if fresh else lambda: None
+            lambda: mt19937.advance_by_polynomial(state, outputs), mt19937.forget_powers if fresh else lambda: None
         )
     finally:
         mt19937._speedups = speedups
-        mt19937._powers.clear()
+        mt19937.forget_powers()
 
 
 def main() -> None:
@@ -68,7 +68,7 @@ def main() -> None:
         for use_c in (True, False) if compiled else (False,):
             mt19937._speedups, kept = (mt19937._speedups if use_c else None), mt19937._speedups
             try:
-                mt19937._powers.clear()
+                mt19937.forget_powers()
                 jumped = mt19937.advance_by_polynomial(state, outputs)
             finally:
                 mt19937._speedups = kept
@@ -94,10 +94,10 @@ def main() -> None:
     crossover = mt19937.DRAWING_CROSSOVER
     for outputs in sorted({crossover // 2, crossover, 2 * crossover, 10**4, 10**5, 10**6}):
         drawing = times_ms(partial(mt19937.advance_by_drawing, state, outputs))[1]
-        fresh = jump_ms(state, outputs, compiled, fresh=True)[1]
+        fresh_ms = jump_ms(state, outputs, compiled, fresh=True)[1]
         repeated = jump_ms(state, outputs, compiled, fresh=False)[1]
         print(
-            f"  {outputs:>10,} outputs: drawing {drawing:7.3f} ms, jump {fresh:7.3f} ms fresh, {repeated:7.3f} ms again"
+            f"  {outputs:>10,} outputs: drawing {drawing:7.3f} ms, jump {fresh_ms:7.3f} ms fresh, {repeated:7.3f} ms again"
         )
 
 

@@ -329,9 +329,7 @@ def as_in_a_fresh_process() -> None:
     """Forget what earlier replays in this process left that a rank's own process would not have: the jumps' cache
     of powers by distance (identical layers of one rank make identical jumps; other ranks, in their own processes,
     do not share them). Called before every timed materialization."""
-    powers = getattr(mt19937, "_powers", None)  # a modattrs without the cache has nothing to forget
-    if powers is not None:
-        powers.clear()
+    mt19937.forget_powers()
 
 
 def materialize_sharded(model: nn.Module, threads: int | None = None) -> None:

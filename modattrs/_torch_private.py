@@ -27,6 +27,10 @@ from torch import nn
 # The class of aten operators (torch.ops.aten.add.Tensor): torch has no public name for it. Checked on 2.8 to 2.15.
 from torch._ops import OpOverload
 
+# The strides torch gives a contiguous tensor of a shape (sizes of 0 count as 1): torch's own rule, from its
+# primitives' helpers; no public function. Checked on 2.8 to 2.15.
+from torch._prims_common import make_contiguous_strides_for as contiguous_strides
+
 # Fake tensors and their mode: the classes themselves are private, documented in torch's fake tensor notes and
 # used across torch (export, dynamo, FSDP's meta init); there is no public module. Checked on 2.8 to 2.15.
 from torch._subclasses.fake_tensor import (
@@ -60,6 +64,7 @@ __all__ = [
     "TreeSpec",
     "UnsupportedFakeTensorException",
     "UnsupportedOperatorException",
+    "contiguous_strides",
     "disable_current_modes",
     "tree_flatten",
     "tree_unflatten",

@@ -141,7 +141,7 @@ from typing import Final
 import torch
 
 from modattrs._deferred.mt19937 import FAR_JUMP_COST, jumped_state
-from modattrs._torch_private import FakeTensor
+from modattrs._torch_private import FakeTensor, contiguous_strides
 
 __all__ = ["BLOCKS", "JUMP_COST", "PAIRS", "SERIAL", "Pattern", "pattern"]
 
@@ -657,16 +657,6 @@ def _layout(shape: Sequence[int], strides: Sequence[int]) -> _Layout | None:
     return _Layout(numel, contiguous, tuple(shape), tuple(strides))
 
 
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """The strides torch gives a contiguous tensor of ``shape``."""
-    strides: list[int] = []
-    step = 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 def _dense_strides(shape: Sequence[int], strides: Sequence[int]) -> bool:
     """torch's is_non_overlapping_and_dense(): a permutation of a contiguous layout."""
     dims = sorted((stride, size) for size, stride in zip(shape, strides, strict=True) if size != 1)
@@ -690,7 +680,7 @@ def _factory_layout(bound: dict[str, object], default_dtype: torch.dtype) -> tup
         return None
     if bound["layout"] not in (None, torch.strided):
         return None
-    return dtype, _Layout(math.prod(sizes), True, tuple(sizes), _contiguous_strides(sizes))
+    return dtype, _Layout(math.prod(sizes), True, tuple(sizes), contiguous_strides(sizes))
 
 
 def _device(device: object, default: torch.device) -> torch.device | None:
@@ -718,7 +708,7 @@ def _like_layout(bound: dict[str, object]) -> tuple[torch.dtype, _Layout] | None
     shape, strides = tuple(tensor.shape), tuple(tensor.stride())
     memory_format = bound["memory_format"]
     if memory_format is torch.contiguous_format:
-        return dtype, _Layout(math.prod(shape), True, shape, _contiguous_strides(shape))
+        return dtype, _Layout(math.prod(shape), True, shape, contiguous_strides(shape))
     if memory_format in (None, torch.preserve_format) and _dense_strides(shape, strides):
         layout = _layout(shape, strides)
         return None if layout is None else (dtype, layout)

@@ -112,7 +112,14 @@ import torch
 
 from modattrs._compiled import speedups as _speedups
 
-__all__ = ["DRAWING_CROSSOVER", "FAR_JUMP_COST", "advance_by_drawing", "advance_by_polynomial", "jumped_state"]
+__all__ = [
+    "DRAWING_CROSSOVER",
+    "FAR_JUMP_COST",
+    "advance_by_drawing",
+    "advance_by_polynomial",
+    "forget_powers",
+    "jumped_state",
+]
 
 #: From this many outputs on ``jumped_state`` jumps; below it, past the current block, it draws. Where both cost
 #: the same (module docstring): about 0.04 ms with the C extension, 11 ms with the torch path alone.
@@ -379,6 +386,12 @@ class _Powers:
 
 
 _powers = _Powers(256)
+
+
+def forget_powers() -> None:
+    """Empty the cache of powers ``x^M mod p``: the next jumps compute theirs, as a fresh process's would (for
+    benchmarks that measure several ranks in one process)."""
+    _powers.clear()
 
 
 def _power_of_x_packed(exponent: int) -> bytes:

@@ -40,7 +40,7 @@ import torch
 
 from modattrs._deferred import draws, generator
 from modattrs._deferred.record import Copies, Layout, Op, Record, Slot
-from modattrs._torch_private import OpOverload, operator_arguments, written_arguments
+from modattrs._torch_private import OpOverload, contiguous_strides, operator_arguments, written_arguments
 
 __all__: list[str] = []
 
@@ -265,12 +265,9 @@ def _laid_out(slot: Slot, layouts: Mapping[int, Layout], dtype: torch.dtype) -> 
 
 
 def _contiguous(layout: Layout) -> bool:
-    expected = 1
-    for size, stride in reversed(list(zip(layout.size, layout.stride, strict=True))):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
+    """Whether ``layout`` is row-major contiguous (the strides of dimensions of size 1 aside)."""
+    expected = contiguous_strides(layout.size)
+    return all(size == 1 or got == want for size, got, want in zip(layout.size, layout.stride, expected, strict=True))
 
 
 def _in_place_pointwise(func: OpOverload) -> bool:

@@ -59,6 +59,7 @@ from modattrs._torch_private import (
     address_of,
     alias_fake,
     call_as_meta,
+    contiguous_strides,
     dispatch_as_written,
     dynamo_frame_hook,
     fake_tensor_attributes,
@@ -725,19 +726,10 @@ def _pointwise_of_values(
         real = _real_call(func, args, kwargs)
     except Exception:
         return None
-    if type(real) is not torch.Tensor or real.shape != shape or real.stride() != _contiguous_strides(shape):
+    if type(real) is not torch.Tensor or real.shape != shape or real.stride() != contiguous_strides(shape):
         return None
     made: FakeTensor = _fakes_of(mode, real, device)
     return made
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides = []
-    stride = 1
-    for size in reversed(shape):
-        strides.append(stride)
-        stride *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _broadcast(shapes: list[torch.Size]) -> tuple[int, ...] | None:
