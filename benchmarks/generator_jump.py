@@ -97,7 +97,8 @@ def main() -> None:
         fresh_ms = jump_ms(state, outputs, compiled, fresh=True)[1]
         repeated = jump_ms(state, outputs, compiled, fresh=False)[1]
         print(
-            f"  {outputs:>10,} outputs: drawing {drawing:7.3f} ms, jump {fresh_ms:7.3f} ms fresh, {repeated:7.3f} ms again"
+            f"  {outputs:>10,} outputs: drawing {drawing:7.3f} ms, "
+            f"jump {fresh_ms:7.3f} ms fresh, {repeated:7.3f} ms again"
         )
 
 
