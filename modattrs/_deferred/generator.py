@@ -64,7 +64,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from modattrs._deferred import draws
 from modattrs._deferred.mt19937 import jumped_state
-from modattrs._deferred.record import DeferredInitError, Point, Position, Record, draws_on_cpu, scratch_arguments
+from modattrs._deferred.record import DeferredInitError, Op, Point, Position, Record, draws_on_cpu, scratch_arguments
 from modattrs._torch_private import FakeTensor, disable_current_modes
 
 __all__: list[str] = []
@@ -291,7 +291,7 @@ class Walk:
             self.pending = 0
         else:
             self._reach(index)
-        return real_state(), self.pending
+        return _get_state(), self.pending
 
     def ran(self, index: int) -> None:
         """Note that the draw at ``index`` ran for real, from the state ``before`` set."""
@@ -324,7 +324,7 @@ class Walk:
 
     def _jump_pending(self) -> None:
         if self.pending:
-            _set_state(jumped_state(real_state(), self.pending))
+            _set_state(jumped_state(_get_state(), self.pending))
             self.pending = 0
 
     def _reach(self, count: int) -> None:
@@ -347,7 +347,7 @@ class Walk:
                 behind = 0
                 _set_state(self._reset_of(index))
             elif behind == 0 and index not in self.states:
-                self.states[index] = real_state()
+                self.states[index] = _get_state()
             if op.default_dtype is not torch.get_default_dtype():
                 torch.set_default_dtype(op.default_dtype)
             outputs = self._outputs_of(index)
@@ -355,7 +355,7 @@ class Walk:
                 behind += outputs
                 continue
             if behind:
-                _set_state(jumped_state(real_state(), behind))
+                _set_state(jumped_state(_get_state(), behind))
                 behind = 0
             args, kwargs = op.arguments(scratch_arguments(op, self.device, self._scratch), self.device)
             op.func(*args, **kwargs)
@@ -369,8 +369,16 @@ class Walk:
             return None
         if index not in self._patterns:
             op = self.record.ops[index]
-            args, kwargs = op.arguments(scratch_arguments(op, _META), self.device)
-            self._patterns[index] = draws.pattern(op.func, args, kwargs)
+            key = _call_key(op, self.device)
+            found = _PATTERNS.get(key, _UNKNOWN) if key is not None else _UNKNOWN
+            if found is _UNKNOWN:
+                args, kwargs = op.arguments(scratch_arguments(op, _META), self.device)
+                found = draws.pattern(op.func, args, kwargs)
+                if key is not None:
+                    if len(_PATTERNS) >= _PATTERNS_KEPT:
+                        _PATTERNS.clear()
+                    _PATTERNS[key] = found
+            self._patterns[index] = found
         return self._patterns[index]
 
     def _outputs_of(self, index: int) -> int | None:
@@ -379,7 +387,7 @@ class Walk:
         if index not in self._outputs:
             found = self.pattern_of(index)
             modelled = found is not None and found.kind is not draws.PAIRS  # PAIRS: counts depend on the state
-            self._outputs[index] = found.outputs(real_state()) if modelled and found is not None else None
+            self._outputs[index] = found.outputs(_get_state()) if modelled and found is not None else None
         return self._outputs[index]
 
     def finish(self) -> None:
@@ -387,7 +395,7 @@ class Walk:
         up to the next state remembered, only by draws that are materialized or dead (see ``Record.dead_writes``)."""
         self._jump_pending()
         if self.live is not None and self.live not in self.states:
-            self.states[self.live] = real_state()
+            self.states[self.live] = _get_state()
         settled = self.record.drawn | self.record.dead_writes()
         for start, end in itertools.pairwise([*sorted(self.states), len(self.record.ops) + 1]):
             between = self.draws[bisect.bisect_left(self.draws, start) : bisect.bisect_left(self.draws, end)]
@@ -422,6 +430,35 @@ class Walk:
 
     def _state_of(self, position: Position) -> torch.Tensor:
         return position if isinstance(position, torch.Tensor) else self._resolve(position)
+
+
+# The patterns of calls seen before, by what decides them (``_call_key``): a model's identical layers make the same
+# calls, each of which would cost ``draws.pattern`` about 70 us again. Patterns are frozen; shared by records.
+_PATTERNS: dict[tuple[Any, ...], draws.Pattern | None] = {}
+_PATTERNS_KEPT = 4096
+_UNKNOWN: Any = object()
+
+
+def _call_key(op: Op, device: torch.device | None) -> tuple[Any, ...] | None:
+    """What ``draws.pattern`` reads of a recorded call, hashable: the operation, its arguments but tensors, the
+    tensors' layouts, the replay's device and the defaults a factory takes. None for a call with a real tensor among
+    its arguments (its kernel in the pattern holds that tensor) or an unhashable argument."""
+    if op.constant_slots:
+        return None
+    key = (
+        op.func,
+        op.spec,
+        tuple(op.flat),
+        tuple((slot.index, slot.size, slot.stride, slot.dtype, slot.device) for slot in op.slots),
+        device,
+        torch.get_default_dtype(),
+        torch.get_default_device(),
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 @contextlib.contextmanager
@@ -464,6 +501,12 @@ def _forget_point_of(record: Record) -> None:
 def remembered_bytes(record: Record) -> int:
     """The memory that states remembered for ``record``'s replays take."""
     return sum(state.nbytes for states in record.states.values() for state in states.values())
+
+
+def _get_state() -> torch.Tensor:
+    # Walks run inside `replaying`, out of every dispatch mode already: real_state's step out of them costs more
+    # than reading the state.
+    return torch.default_generator.get_state()
 
 
 def _set_state(state: torch.Tensor) -> None:

@@ -77,7 +77,7 @@ def _replay_and_swap(
     for mode, tensors in groups.values():
         recorded_root = mode.record.root() if mode.record.root is not None else None
         if recorded_root is not None:
-            _add_aliases(tensors, mode, recorded_root)
+            _add_aliases(tensors, mode, recorded_root, walked=full and recorded_root is module)
             scope.extend(recorded_root.modules())
     refs = {key: ref_of(label, tensor) for _, tensors in groups.values() for key, (label, tensor) in tensors.items()}
     everything = [entry for _, tensors in groups.values() for entry in tensors.values()]
@@ -114,10 +114,13 @@ def _by_record(chosen: list[tuple[str, FakeTensor]]) -> dict[int, tuple[Recordin
     return groups
 
 
-def _add_aliases(tensors: Chosen, mode: RecordingFakeTensorMode, root: nn.Module) -> None:
-    """Add the root's tensors that share storage with a chosen one: materialized apart, they would stop aliasing."""
+def _add_aliases(tensors: Chosen, mode: RecordingFakeTensorMode, root: nn.Module, *, walked: bool) -> None:
+    """Add the root's tensors that share storage with a chosen one: materialized apart, they would stop aliasing.
+    ``walked``: the chosen ones are all of the root's own tensors (``materialize_module`` of the whole root), so that
+    only what FSDP2 keeps beside them is left to look at."""
     storages = {mode.storage_of(tensor) for _, tensor in tensors.values()}
-    for label, tensor in module_tensors(root):
+    found = fsdp_tensors(root) if walked else module_tensors(root)
+    for label, tensor in found:
         if id(tensor) in tensors or not isinstance(tensor, FakeTensor) or tensor.fake_mode is not mode:
             continue
         if mode.storage_of(tensor) in storages:
@@ -283,6 +286,13 @@ def module_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
         yield from _fsdp_shards(submodule, prefix)
 
 
+def fsdp_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """The shard storage FSDP2 keeps for the parameters of ``module`` and its submodules: ``module_tensors`` without
+    the modules' own tensors."""
+    for prefix, submodule in module.named_modules():
+        yield from _fsdp_shards(submodule, prefix)
+
+
 def own_tensors_of(module: nn.Module, prefix: str, *, buffers_only: bool) -> Iterator[tuple[str, Tensor]]:
     """A module's own tensors (see ``_module_tensors.own_tensors``), labelled for messages; for a DTensor (sharded by
     FSDP2 or by tensor parallelism), the local tensor it wraps, which is what the record made."""
@@ -307,7 +317,10 @@ def _fsdp_shards(module: nn.Module, prefix: str) -> Iterator[tuple[str, Tensor]]
     tensor flat, next to the DTensor parameter whose local tensor is a view of its first rows; all-gathers read it.
     Materialized with the parameter (they share storage), it stays a view of the same real storage, as FSDP2 made it.
     """
+    paths: dict[int, str] | None = None
     for holder, parameter_name, shard in fsdp_padded_shards(module):
-        owner = next((path for path, sub in module.named_modules() if sub is holder), "?")
+        if paths is None:  # once per unit, not per parameter: the root's unit spans the whole model
+            paths = {id(sub): path for path, sub in module.named_modules()}
+        owner = paths.get(id(holder), "?")
         name = join(join(prefix, owner) if owner else prefix, parameter_name)
         yield f"FSDP2's padded shard of parameter {name!r}", shard

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -123,6 +123,9 @@ class Op:
     reset: Position | None  # for draws: where the default CPU generator was set to before it (see generator)
     pinned: bool  # draws from a default generator as many numbers as fake values say: it runs in every replay
     default_dtype: torch.dtype
+    # When every argument is a leaf of its own (no lists), as for most aten calls, how ``flat`` splits into them:
+    # how many are positional, and the names of the others (see ``plain_call``); else None, and ``spec`` says.
+    plain: tuple[int, tuple[str, ...]] | None = None
 
     @property
     def name(self) -> str:
@@ -170,7 +173,25 @@ class Op:
             flat[position] = generator
         for position, generator in (generators or {}).items():
             flat[position] = generator
-        return tree_unflatten(flat, self.spec)  # type: ignore[no-any-return]
+        if self.plain is None:
+            return tree_unflatten(flat, self.spec)  # type: ignore[no-any-return]
+        positional, names = self.plain  # pytree's unflatten would cost more than most operations it calls
+        return tuple(flat[:positional]), dict(zip(names, flat[positional:], strict=True))
+
+
+def plain_call(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[int, tuple[str, ...]] | None:
+    """``Op.plain`` of a call: ``(len(args), names of kwargs)`` if pytree flattens each argument to one leaf of its
+    own (a tensor, a number, a string, None, a dtype, a device, a layout, a memory format); else None."""
+    for value in (*args, *kwargs.values()):
+        if type(value) not in _LEAF_TYPES and not isinstance(value, torch.Tensor):
+            return None
+    return len(args), tuple(kwargs)
+
+
+# Exact types: subclasses of tuple (torch.Size, named tuples) are pytree nodes.
+_LEAF_TYPES = frozenset(
+    {int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
+)
 
 
 @dataclass(eq=False)  # identity: points of records are compared with `is`

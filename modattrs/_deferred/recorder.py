@@ -36,6 +36,7 @@ from modattrs._deferred.record import (
     Op,
     Record,
     Slot,
+    plain_call,
     scratch_arguments,
 )
 from modattrs._deferred.replay import state_after
@@ -182,6 +183,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                     func=_no_draw,
                     flat=[],
                     spec=tree_flatten(((), {}))[1],
+                    plain=(0, ()),
                     slots=(),
                     constant_slots=(),
                     device_slots=(),
@@ -284,6 +286,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             func=func,
             flat=flat,
             spec=spec,
+            plain=plain_call(args, kwargs),
             slots=tuple(slots),
             constant_slots=tuple(constant_slots),
             device_slots=tuple(device_slots),
@@ -312,6 +315,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             func=pending.func,
             flat=pending.flat,
             spec=pending.spec,
+            plain=pending.plain,
             slots=pending.slots,
             constant_slots=pending.constant_slots,
             device_slots=pending.device_slots,
@@ -529,6 +533,7 @@ class _Pending:
     func: Callable[..., Any]
     flat: list[Any]
     spec: TreeSpec
+    plain: tuple[int, tuple[str, ...]] | None
     slots: tuple[Slot, ...]
     constant_slots: tuple[Constant, ...]
     device_slots: tuple[int, ...]

@@ -31,6 +31,7 @@ strided shard (``RowwiseParallel``'s dim-1 cut) spans nearly all of its paramete
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -266,8 +267,13 @@ def _laid_out(slot: Slot, layouts: Mapping[int, Layout], dtype: torch.dtype) -> 
 
 def _contiguous(layout: Layout) -> bool:
     """Whether ``layout`` is row-major contiguous (the strides of dimensions of size 1 aside)."""
-    expected = contiguous_strides(layout.size)
-    return all(size == 1 or got == want for size, got, want in zip(layout.size, layout.stride, expected, strict=True))
+    return _contiguous_geometry(layout.size, layout.stride)
+
+
+@functools.lru_cache(maxsize=1024)  # a model's layers repeat a few geometries; torch's strides are Python
+def _contiguous_geometry(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    expected = contiguous_strides(sizes)
+    return all(size == 1 or got == want for size, got, want in zip(sizes, strides, expected, strict=True))
 
 
 def _in_place_pointwise(func: OpOverload) -> bool:
