@@ -277,3 +277,28 @@ def test_the_padding_fsdp2_adds_to_an_uneven_shard_is_zeros_as_in_eager_sharding
     assert expected.keys() == got.keys()
     for name, shard in got.items():
         assert torch.equal(shard, expected[name]), name
+
+
+class SameShapesOtherDraws(nn.Module):
+    """Parameters of one layout drawn by calls that differ only in their numbers, or in how those are passed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.low = nn.Parameter(torch.empty(40, 3).uniform_(0.5))  # from=0.5, to=1
+        self.high = nn.Parameter(torch.empty(40, 3).uniform_(to=0.5))  # from=0, to=0.5
+        self.wide = nn.Parameter(torch.empty(40, 3).uniform_(-4.0, 4.0))
+        self.spread = nn.Parameter(torch.empty(40, 3).normal_(std=3.0))
+        self.shifted = nn.Parameter(torch.empty(40, 3).normal_(3.0))
+
+
+@pytest.mark.parametrize(("size", "rank"), [(4, 2), (8, 7)], ids=str)
+def test_draws_of_one_layout_with_other_numbers_each_give_their_own_eager_slice(size: int, rank: int) -> None:
+    reference, state_after_eager = eager(SameShapesOtherDraws)
+    for _ in range(2):  # the second time, each call's model of its draws is one seen before
+        with fake_world(size, rank) as mesh:
+            torch.manual_seed(0)
+            model = deferred_init(SameShapesOtherDraws)
+            fully_shard(model, mesh=mesh)
+            materialize_module(model)
+            assert_slices_of(model, reference, size, rank)
+        assert torch.equal(torch.get_rng_state(), state_after_eager)

@@ -123,9 +123,9 @@ class Op:
     reset: Position | None  # for draws: where the default CPU generator was set to before it (see generator)
     pinned: bool  # draws from a default generator as many numbers as fake values say: it runs in every replay
     default_dtype: torch.dtype
-    # When every argument is a leaf of its own (no lists), as for most aten calls, how ``flat`` splits into them:
-    # how many are positional, and the names of the others (see ``plain_call``); else None, and ``spec`` says.
-    plain: tuple[int, tuple[str, ...]] | None = None
+    # How ``flat`` splits into the arguments when each is a leaf or a list of leaves, as for aten calls (see
+    # ``plain_call``); else None, and ``spec`` says.
+    plain: Plain | None = None
 
     @property
     def name(self) -> str:
@@ -175,17 +175,46 @@ class Op:
             flat[position] = generator
         if self.plain is None:
             return tree_unflatten(flat, self.spec)  # type: ignore[no-any-return]
-        positional, names = self.plain  # pytree's unflatten would cost more than most operations it calls
+        positional, names, containers = self.plain  # pytree's unflatten costs more than most operations it calls
+        if containers is not None:
+            flat = _gathered(flat, containers)
         return tuple(flat[:positional]), dict(zip(names, flat[positional:], strict=True))
 
 
-def plain_call(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[int, tuple[str, ...]] | None:
-    """``Op.plain`` of a call: ``(len(args), names of kwargs)`` if pytree flattens each argument to one leaf of its
-    own (a tensor, a number, a string, None, a dtype, a device, a layout, a memory format); else None."""
+# How many arguments are positional, the names of the others, and the list or tuple each argument is with its
+# length (None for a leaf), or None when every argument is a leaf.
+Plain = tuple[int, tuple[str, ...], "tuple[tuple[type, int] | None, ...] | None"]
+
+
+def plain_call(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Plain | None:
+    """``Op.plain`` of a call whose arguments pytree flattens as leaves (a tensor, a number, a string, None, a
+    dtype, a device, a layout, a memory format) or lists and tuples of leaves (sizes); else None."""
+    containers: list[tuple[type, int] | None] = []
     for value in (*args, *kwargs.values()):
-        if type(value) not in _LEAF_TYPES and not isinstance(value, torch.Tensor):
+        kind = type(value)
+        if kind in _LEAF_TYPES or isinstance(value, torch.Tensor):
+            containers.append(None)
+        elif (kind is list or kind is tuple) and all(
+            type(item) in _LEAF_TYPES or isinstance(item, torch.Tensor) for item in value
+        ):
+            containers.append((kind, len(value)))
+        else:
             return None
-    return len(args), tuple(kwargs)
+    return len(args), tuple(kwargs), None if not any(containers) else tuple(containers)
+
+
+def _gathered(flat: list[Any], containers: tuple[tuple[type, int] | None, ...]) -> list[Any]:
+    """The arguments from their leaves: the leaves of a list argument made into that list again."""
+    arguments, at = [], 0
+    for container in containers:
+        if container is None:
+            arguments.append(flat[at])
+            at += 1
+        else:
+            kind, length = container
+            arguments.append(kind(flat[at : at + length]))
+            at += length
+    return arguments
 
 
 # Exact types: subclasses of tuple (torch.Size, named tuples) are pytree nodes.

@@ -34,6 +34,7 @@ from modattrs._deferred.record import (
     Key,
     Layout,
     Op,
+    Plain,
     Record,
     Slot,
     plain_call,
@@ -183,7 +184,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                     func=_no_draw,
                     flat=[],
                     spec=tree_flatten(((), {}))[1],
-                    plain=(0, ()),
+                    plain=(0, (), None),
                     slots=(),
                     constant_slots=(),
                     device_slots=(),
@@ -533,7 +534,7 @@ class _Pending:
     func: Callable[..., Any]
     flat: list[Any]
     spec: TreeSpec
-    plain: tuple[int, tuple[str, ...]] | None
+    plain: Plain | None
     slots: tuple[Slot, ...]
     constant_slots: tuple[Constant, ...]
     device_slots: tuple[int, ...]

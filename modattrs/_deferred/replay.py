@@ -148,7 +148,7 @@ def _slice(ops: list[Op], targets: Mapping[int, int]) -> set[int]:
         op = ops[index]
         keep = (
             op.pinned
-            or (not op.value_writer and not needed_refs.isdisjoint(ref for ref in op.out_refs if ref is not None))
+            or (not op.value_writer and not needed_refs.isdisjoint(op.out_refs))  # None is never needed
             or not needed_storages.isdisjoint(op.writes)
         )
         if keep:
@@ -161,18 +161,18 @@ def _slice(ops: list[Op], targets: Mapping[int, int]) -> set[int]:
 
 def _last_uses(ops: list[Op], kept: set[int], targets: Mapping[int, int]) -> dict[int, list[int]]:
     """For each kept operation, the refs that no later kept operation reads and that are not targets."""
-    last_use: dict[int, int] = {}
+    last_use: dict[int | None, int] = {}
     for index in sorted(kept):
         op = ops[index]
         for ref in op.in_refs:
             last_use[ref] = index
         for out in op.out_refs:
-            if out is not None:
-                last_use.setdefault(out, index)  # made and never read: freed at once
+            if out not in last_use:
+                last_use[out] = index  # made and never read: freed at once
     frees: dict[int, list[int]] = {}
-    for ref, index in last_use.items():
-        if ref not in targets:
-            frees.setdefault(index, []).append(ref)
+    for held, last in last_use.items():
+        if held is not None and held not in targets:  # None: results that are not tensors
+            frees.setdefault(last, []).append(held)
     return frees
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,11 +148,11 @@ def plan(
         return {}
     ops, layouts = record.ops, record.layouts
     touching: dict[int, list[int]] = {}
+    results: dict[int, _Results] = {}
     for index in sorted(kept):
         op = ops[index]
-        storages = {slot.storage for slot in op.slots} | op.writes
-        storages.update(layouts[ref].storage for ref in op.out_refs if ref is not None and ref in layouts)
-        for storage in storages:
+        results[index] = made = _results_of(op, layouts)
+        for storage in {slot.storage for slot in op.slots} | op.writes | made.storages:
             touching.setdefault(storage, []).append(index)
     spans: dict[int, list[range]] = {}
     whole: set[int] = set()  # storages a target holds in a layout the record does not know
@@ -165,7 +166,7 @@ def plan(
     for storage, indices in touching.items():
         if storage in whole:
             continue
-        window = _window(record, storage, indices, spans.get(storage, []), pattern_of)
+        window = _window(record, storage, indices, spans.get(storage, []), pattern_of, results)
         if window is not None:
             windows[storage] = window
     return windows
@@ -177,11 +178,12 @@ def _window(
     indices: list[int],
     target_spans: list[range],
     pattern_of: Callable[[int], draws.Pattern | None],
+    results: Mapping[int, _Results],
 ) -> Window | None:
     ops, layouts = record.ops, record.layouts
     whole = _created(ops[indices[0]], storage, layouts)
-    if whole is None:
-        return None
+    if whole is None or _covered(target_spans, math.prod(whole.size)):
+        return None  # not made whole by a factory, or all of it is a target's (FSDP2's padded shard)
     roles = {indices[0]: Role.CREATE}
     spans = list(target_spans)
     partial: dict[int, range] = {}
@@ -194,16 +196,16 @@ def _window(
         func = op.func
         if not isinstance(func, OpOverload):
             return None  # an opaque initializer: its effect on a part is unknown
-        outs = [layouts.get(ref) for ref in op.out_refs if ref is not None]
+        made = results[index]
         written = [slot for slot in on if slot.written]
         if not written and storage not in op.writes:
-            if func.is_view and all(out is not None and out.storage == storage for out in outs):
-                if any(out is not None and out.dtype != whole.dtype for out in outs):
+            if func.is_view and not made.unlaid and made.storages <= {storage}:
+                if not made.dtypes <= {whole.dtype}:
                     return None
                 roles[index] = Role.VIEW
-            elif func in _METADATA and all(out is None or out.storage != storage for out in outs):
+            elif func in _METADATA and storage not in made.storages:
                 roles[index] = Role.METADATA
-            elif any(out is not None and out.storage == storage for out in outs):
+            elif storage in made.storages:
                 return None  # makes a tensor on this storage without being a view
             else:
                 roles[index] = Role.READ
@@ -223,11 +225,10 @@ def _window(
                 partial[index] = layout.span
         else:
             return None
-    extent = range(math.prod(whole.size))
+    if _covered(spans, math.prod(whole.size)):
+        return None  # all of it is needed: made whole, as eager code makes it
     start = min((span.start for span in spans if span), default=0)
     stop = max((span.stop for span in spans if span), default=0)
-    if start <= extent.start and stop >= extent.stop:
-        return None  # all of it is needed: made whole, as eager code makes it
     for index, span in partial.items():
         if span.start >= start and span.stop <= stop:
             continue
@@ -236,6 +237,43 @@ def _window(
             continue
         return None  # straddles the window's edge
     return Window(storage, whole.dtype, start, stop, roles, indices[-1], patterns=patterns)
+
+
+@dataclass(frozen=True, slots=True)
+class _Results:
+    """Where the tensors an operation returns lie: once per operation, as ``split`` returns one per rank."""
+
+    storages: frozenset[int]  # of those the record knows the layout of
+    dtypes: frozenset[torch.dtype]  # of those
+    unlaid: bool  # whether the record knows no layout for one of them
+
+
+def _results_of(op: Op, layouts: Mapping[int, Layout]) -> _Results:
+    if len(op.out_refs) == 1:  # most operations: no lists to build
+        ref = op.out_refs[0]
+        layout = layouts.get(ref) if ref is not None else None
+        if layout is not None:
+            return _Results(frozenset((layout.storage,)), frozenset((layout.dtype,)), False)
+        return _NOTHING_LAID if ref is None else _UNLAID
+    refs = op.out_refs
+    found: Callable[[int | None], Layout | None] = layouts.get  # type: ignore[assignment]  # get(None) is None
+    known = [layout for layout in map(found, refs) if layout is not None]
+    unlaid = len(known) != len(refs) - refs.count(None)
+    return _Results(frozenset(map(_STORAGE, known)), frozenset(map(_DTYPE, known)), unlaid)
+
+
+_STORAGE, _DTYPE = operator.attrgetter("storage"), operator.attrgetter("dtype")
+
+
+_NOTHING_LAID = _Results(frozenset(), frozenset(), False)
+_UNLAID = _Results(frozenset(), frozenset(), True)
+
+
+def _covered(spans: list[range], elements: int) -> bool:
+    """Whether the hull of ``spans`` covers elements ``0:elements`` (a window of it would be all of it)."""
+    start = min((span.start for span in spans if span), default=0)
+    stop = max((span.stop for span in spans if span), default=0)
+    return start <= 0 and stop >= elements
 
 
 def _created(op: Op, storage: int, layouts: Mapping[int, Layout]) -> Layout | None:
@@ -340,10 +378,14 @@ def run(
     roles = {window.roles[index] for window in on}
     if Role.VIEW in roles:
         (window,) = on
+        start, stop = window.start, window.stop
         for ref in op.out_refs:
-            layout = layouts[ref] if ref is not None else None
-            if layout is not None and _within(layout.span, window):
-                env[ref] = window.view(layout)  # type: ignore[index]
+            if ref is None:
+                continue
+            layout = layouts[ref]
+            span = layout.span  # within the window (as _within, inline: a split at N ranks makes N)
+            if not span or (span.start >= start and span.stop <= stop):
+                env[ref] = window.view(layout)
         return True
     if Role.OUTSIDE in roles:
         return True
