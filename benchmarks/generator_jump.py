@@ -6,8 +6,8 @@ run) and to a repeated one (the power cached), with the C routines of ``modattrs
 path that runs without them, each as a ratio against drawing 1M outputs (``advance_by_drawing``) in the same process
 and in milliseconds: the best and the median of the runs, CPU time of the measuring thread
 (``time.thread_time``), with ``torch.set_num_threads(1)``. Then, for distances around ``DRAWING_CROSSOVER`` and
-beyond, drawing against jumping. Every jump is checked to give the state drawing gives (beyond 2^23 outputs, the C
-routines' state the torch path's).
+beyond, drawing against jumping; with the C routines, each of their methods alone. Every jump is checked to give the
+state drawing gives (beyond 2^23 outputs, the C routines' state the torch path's).
 """
 
 from __future__ import annotations
@@ -52,6 +52,28 @@ def jump_ms(state: torch.Tensor, outputs: int, compiled: bool, fresh: bool) -> t
         mt19937.forget_powers()
 
 
+def c_routines_alone(state: torch.Tensor) -> None:
+    """Each method of the C routines on its own: ``mt19937_twisted`` with a far jump's power (10^6 outputs, about
+    10,000 ones) and a short one's (4 blocks, one), ``mt19937_power_of_x`` per bit of a 64-bit exponent."""
+    speedups = mt19937._speedups
+    assert speedups is not None
+    methods = speedups.mt19937_methods()
+    array = bytearray(bytes(state[24 : 24 + 624 * 8].tolist()))
+    powers = {name: mt19937._coefficients(624 * blocks - 1) for name, blocks in (("far", 1603), ("4 blocks", 4))}
+    print("C routines alone: mt19937_twisted by method (the default last), best and median")
+    for method in methods["twisted"]:
+        cells = []
+        for name, coefficients in powers.items():
+            best, median = times_ms(partial(speedups.mt19937_twisted, array, coefficients, method))
+            cells.append(f"{name}: {best:6.3f} / {median:6.3f} ms")
+        print(f"  {method:<10} " + ", ".join(cells))
+    exponent = (2**64 - 59).to_bytes(8, "big")  # 50 bits past the top 14, which need no squaring
+    print("mt19937_power_of_x by method (the default last), per bit of the exponent, best and median")
+    for method in methods["power_of_x"]:
+        best, median = times_ms(partial(speedups.mt19937_power_of_x, exponent, mt19937._P_PACKED, method))
+        print(f"  {method:<16} {best / 50 * 1e3:6.2f} / {median / 50 * 1e3:6.2f} us")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     compiled = mt19937._speedups is not None
@@ -90,9 +112,12 @@ def main() -> None:
                     f"{name:<6}{label:<30}{jump_best / best:7.3f}x {jump_best:7.2f} ms"
                     f"{jump_median / median:7.3f}x {jump_median:7.2f} ms"
                 )
+    if compiled:
+        c_routines_alone(state)
     print(f"drawing against jumping ({'C' if compiled else 'torch'} path), medians:")
     crossover = mt19937.DRAWING_CROSSOVER
-    for outputs in sorted({crossover // 2, crossover, 2 * crossover, 10**4, 10**5, 10**6}):
+    around = {crossover // 2, crossover, 2 * crossover} if crossover else set()
+    for outputs in sorted(around | {700, 2_000, 10**4, 10**5, 10**6}):  # from 618 outputs left in the block
         drawing = times_ms(partial(mt19937.advance_by_drawing, state, outputs))[1]
         fresh_ms = jump_ms(state, outputs, compiled, fresh=True)[1]
         repeated = jump_ms(state, outputs, compiled, fresh=False)[1]

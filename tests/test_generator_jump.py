@@ -10,6 +10,7 @@ run its C routines, and the tests at the end check them against the torch path t
 from __future__ import annotations
 
 import contextlib
+import functools
 import struct
 from collections.abc import Callable, Iterator
 
@@ -404,7 +405,16 @@ def test_jumps_in_several_threads_at_once_give_the_states_jumps_one_at_a_time_gi
     assert torch.equal(alone[0], drawn_state(start, distances[0]))
 
 
-def test_jumped_state_draws_below_the_crossover_and_jumps_from_it(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("crossover", "expected"),
+    [
+        (0, ["polynomial"] * 5),  # jumping costs less than drawing at any distance: the C routines' crossover
+        (1000, ["polynomial", "drawing", "drawing", "polynomial", "polynomial"]),
+    ],
+)
+def test_jumped_state_draws_below_the_crossover_and_jumps_from_it(
+    monkeypatch: pytest.MonkeyPatch, crossover: int, expected: list[str]
+) -> None:
     start = state_after(17, 5)  # 619 outputs left in the block
     chosen: list[str] = []
     drawing, jumping = mt19937._advance_by_drawing, mt19937._advance_by_polynomial
@@ -419,8 +429,156 @@ def test_jumped_state_draws_below_the_crossover_and_jumps_from_it(monkeypatch: p
 
     monkeypatch.setattr(mt19937, "_advance_by_drawing", by_drawing)
     monkeypatch.setattr(mt19937, "_advance_by_polynomial", by_polynomial)
-    crossover = mt19937.DRAWING_CROSSOVER
-    distances = [619, 620, crossover - 1, crossover, crossover + 1]
-    for distance in distances:
+    monkeypatch.setattr(mt19937, "DRAWING_CROSSOVER", crossover)
+    for distance in [619, 620, 999, 1000, 1001]:
         assert torch.equal(mt19937.jumped_state(start, distance), drawn_state(start, distance))
-    assert chosen == ["polynomial", "drawing", "drawing", "polynomial", "polynomial"]
+    assert chosen == expected
+
+
+# --- each method of the C routines: every CPU runs one, so each is checked here against torch ----------------------
+
+#: Every method the C routines have; those this CPU or build lacks are skipped.
+TWIST_METHODS = ["words", "clmul128", "clmul256", "clmul512"]
+POWER_METHODS = ["squaring", "squaring_avx2", "squaring_avx512"]
+
+
+def supported(function: str, method: str) -> None:
+    """Skip unless the C routine ``function`` (``"twisted"`` or ``"power_of_x"``) has ``method`` here."""
+    if mt19937._speedups is None:
+        pytest.skip("modattrs._speedups is not built in this install")
+    if method not in mt19937._speedups.mt19937_methods()[function]:
+        pytest.skip(f"this CPU or build lacks the method {method!r} of mt19937_{function}")
+
+
+class Forced:
+    """``modattrs._speedups`` with its MT19937 routines bound to one method each (None: the default)."""
+
+    def __init__(self, twist: str | None, power: str | None) -> None:
+        assert mt19937._speedups is not None
+        self.module, self.twist, self.power = mt19937._speedups, twist, power
+
+    def mt19937_twisted(self, array: memoryview, coefficients: bytes) -> None:
+        self.module.mt19937_twisted(array, coefficients, self.twist)
+
+    def mt19937_power_of_x(self, exponent: bytes, modulus: bytes) -> bytes:
+        return self.module.mt19937_power_of_x(exponent, modulus, self.power)
+
+
+@contextlib.contextmanager
+def forced(twist: str | None = None, power: str | None = None) -> Iterator[None]:
+    """Jumps by the C routines with those methods, with no power cached."""
+    kept = mt19937._speedups
+    mt19937._speedups = Forced(twist, power)  # type: ignore[assignment]
+    mt19937._powers.clear()
+    try:
+        yield
+    finally:
+        mt19937._speedups = kept
+        mt19937._powers.clear()
+
+
+def exponent_bytes(exponent: int) -> bytes:
+    return exponent.to_bytes((exponent.bit_length() + 7) // 8, "big")
+
+
+@functools.cache
+def power_near_the_period(below: int) -> bytes:
+    """``x^(2^19937 - 1 - below) mod p``, by the default C method (the torch path would take 12 s)."""
+    assert mt19937._speedups is not None
+    return mt19937._speedups.mt19937_power_of_x(exponent_bytes(mt19937._PERIOD - below), mt19937._P_PACKED)
+
+
+def array_of(state: torch.Tensor) -> bytearray:
+    return bytearray(bytes(state[24 : 24 + 624 * 8].tolist()))
+
+
+#: Exponents M of x^M mod p: a single term (a few twists, or none), a few hundred (just past 19,937), about 10,000
+#: (far jumps), and the period's last ones (2^19937 - 1 - b: the powers of x^-1, which wrap around it).
+EXPONENTS = st.one_of(
+    st.integers(0, 19936),
+    st.integers(19937, 2 * 19937),
+    st.integers(2 * 19937, 2**64),
+    st.integers(1, 3).map(lambda below: -below),  # negative: power_near_the_period(-exponent)
+)
+
+
+@pytest.mark.parametrize("method", TWIST_METHODS)
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**64 - 1), drawn=st.integers(0, 1500), exponent=EXPONENTS, garbage=st.booleans())
+def test_each_c_twist_method_gives_the_words_the_torch_path_computes(
+    method: str, seed: int, drawn: int, exponent: int, garbage: bool
+) -> None:
+    supported("twisted", method)
+    assert mt19937._speedups is not None
+    start = state_after(seed, drawn)
+    if garbage:  # the array's words are 32-bit values: the upper halves of their uint64s are not read
+        start[24 : 24 + 624 * 8].view(torch.int64).add_(torch.arange(624, dtype=torch.int64) << 32)
+    words = start[24 : 24 + 624 * 8].view(torch.int64) & 0xFFFFFFFF
+    if exponent < 0:
+        coefficients = power_near_the_period(-exponent)
+    else:
+        coefficients = mt19937._speedups.mt19937_power_of_x(exponent_bytes(exponent), mt19937._P_PACKED)
+    # the torch path's sums, by FFT (it needs no extension): XOR_j c_j w[j + i], i = 1 .. 624
+    expected = mt19937._correlate(mt19937._unpacked(coefficients), mt19937._untempered(words, mt19937._STREAM))
+    array = array_of(start)
+    mt19937._speedups.mt19937_twisted(array, coefficients, method)
+    assert torch.equal(torch.frombuffer(array, dtype=torch.int64), expected)
+
+
+@pytest.mark.parametrize("method", POWER_METHODS)
+@settings(max_examples=8, deadline=None)
+@given(exponent=st.one_of(st.integers(0, 40_000), st.integers(0, 2**80)))
+def test_each_c_power_method_gives_the_power_the_torch_path_computes(method: str, exponent: int) -> None:
+    supported("power_of_x", method)
+    assert mt19937._speedups is not None
+    packed = mt19937._speedups.mt19937_power_of_x(exponent_bytes(exponent), mt19937._P_PACKED, method)
+    with jump_path("torch"):
+        assert packed == mt19937._power_of_x_packed(exponent)
+
+
+@pytest.mark.parametrize("method", POWER_METHODS)
+@pytest.mark.parametrize(
+    ("exponent", "expected"),
+    [(2**19937 - 1, 1), (2 * (2**19937 - 1) + 5, 2**5)],
+    ids=["the period", "twice the period plus 5"],
+)
+def test_each_c_power_method_wraps_around_at_the_period(method: str, exponent: int, expected: int) -> None:
+    supported("power_of_x", method)
+    assert mt19937._speedups is not None
+    packed = mt19937._speedups.mt19937_power_of_x(exponent_bytes(exponent), mt19937._P_PACKED, method)
+    assert int.from_bytes(packed, "little") == expected
+
+
+@pytest.mark.parametrize(
+    ("twist", "power"), [(method, None) for method in TWIST_METHODS] + [(None, method) for method in POWER_METHODS]
+)
+@pytest.mark.parametrize("distance", [625, 1248, 30_000, 10**6 + 7])
+def test_a_jump_by_each_c_method_lands_where_drawing_lands(twist: str | None, power: str | None, distance: int) -> None:
+    if twist is not None:
+        supported("twisted", twist)
+    if power is not None:
+        supported("power_of_x", power)
+    for drawn in STARTS.values():
+        start = state_after(31, drawn)
+        with forced(twist, power):
+            jumped = mt19937.advance_by_polynomial(start, distance)
+        assert torch.equal(jumped, drawn_state(start, distance)), drawn
+
+
+@needs_speedups
+def test_the_c_methods_are_listed_and_others_refused() -> None:
+    assert mt19937._speedups is not None
+    methods = mt19937._speedups.mt19937_methods()
+    assert set(methods["twisted"]) <= set(TWIST_METHODS)
+    assert methods["twisted"][0] == "words"  # the portable methods: every build has them
+    assert set(methods["power_of_x"]) <= set(POWER_METHODS)
+    assert methods["power_of_x"][0] == "squaring"
+    array = array_of(state_after(1, 0))
+    kept = bytes(array)
+    with pytest.raises(ValueError, match="mt19937_twisted: no method 'squaring'; use one of those mt19937_methods"):
+        mt19937._speedups.mt19937_twisted(array, bytes(2493), "squaring")
+    with pytest.raises(TypeError, match="`method` must be a str, got int"):
+        mt19937._speedups.mt19937_twisted(array, bytes(2493), 1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="mt19937_power_of_x: no method 'words'"):
+        mt19937._speedups.mt19937_power_of_x(b"\x05", mt19937._P_PACKED, "words")
+    assert array == kept

@@ -43,10 +43,14 @@ Each step has two implementations with the same results, bit for bit: C routines
 ``modattrs._speedups``, used when pip built it, and torch code, used when it did not.
 
 - C: ``x^M mod p`` by squaring, one bit of ``M`` at a time from the top (``x^m`` for the top bits while
-  ``m < 19937``): a square over GF(2) spreads the bits apart, and the reduction by ``p`` XORs shifted copies of the
-  bits above degree 19,937, 512 at a time from the top down (every other term of ``p`` lies at least 623 degrees
-  below its top one, so a block's copies land below it). The sums: the 10,000 or so rows ``w[j + 1 ..]`` with
-  ``c_j = 1`` are XORed 24 or 48 output words at a time in vector registers (32 bytes wide with AVX2).
+  ``m < 19937``): a square over GF(2) spreads the bits apart; reducing it by ``p`` finds the quotient's bits from the
+  top down, 512 at a time, each piece a sum of shifted reads of the bits above it (every other term of ``p`` lies at
+  least 623 degrees below its top one), then the remainder's the same way. The sums, bit-sliced: bit ``b`` of
+  ``w[M + i]`` is the parity of ``c`` AND bit ``b`` of the words from ``w[i]`` on, a coefficient of the product of
+  ``c`` reversed and that bit plane of the stream, so the 32 planes are multiplied by ``c`` carry-less (PCLMULQDQ:
+  64 x 64 bits an instruction, 2 or 4 at once with AVX2 or AVX-512 and VPCLMULQDQ). Without carry-less
+  multiplication (other CPUs, other compilers), and for the few terms of a short jump's power, the rows
+  ``w[j + 1 ..]`` with ``c_j = 1`` are XORed 24 output words at a time. The extension picks per CPU at run time.
 - torch: the sums per bit of the words, by FFT (for ``M < 19937`` the words are read off the stream). ``x^M mod p``
   bit by bit of ``M`` by the transpose of Bostan and Mori's halving step (``[x^N] P/Q = [x^(N//2)]
   (P Q)_(N mod 2) / Q`` over GF(2), where ``Q(x) Q(-x) = Q(x^2)``): one FFT correlation of length 20,000 per bit of
@@ -65,28 +69,31 @@ fresh distance (``x^M mod p`` computed) and a repeated one (it cached), with the
 ``k``      C, fresh    C, again    torch,       torch,       drawing
                                    fresh        again
 =========  ==========  ==========  ===========  ===========  =========================
-10         0.03 ms     0.03 ms     0.03 ms      0.03 ms      0.04 ms
-1,000      0.04 ms     0.04 ms     0.10 ms      0.10 ms      0.04 ms
-10^5       0.19 ms     0.12 ms     8.6 ms       4.8 ms       0.25 ms
-10^6       0.36 ms     0.22 ms     10 ms        4.8 ms       2.2 ms
-5 * 10^6   0.40 ms     0.22 ms     11 ms        5 ms         11 ms
-2^23       0.42 ms     0.22 ms     12 ms        4.9 ms       18 ms
-2^32       0.62 ms     0.22 ms     19 ms        5 ms         9 s (extrapolated)
-2^40       0.80 ms     0.22 ms     22 ms        5 ms         40 min (extrapolated)
-2^64       1.3 ms      0.22 ms     41 ms        4.6 ms       2,400 years (extrapolated)
-2^128      2.7 ms      0.22 ms     80 ms        5 ms
+10         0.010 ms    0.008 ms    0.012 ms     0.010 ms     0.025 ms
+1,000      0.011 ms    0.010 ms    0.085 ms     0.082 ms     0.027 ms
+10^5       0.058 ms    0.031 ms    8.6 ms       4.8 ms       0.24 ms
+10^6       0.080 ms    0.033 ms    10 ms        4.8 ms       2.2 ms
+5 * 10^6   0.095 ms    0.033 ms    11 ms        5 ms         11 ms
+2^23       0.10 ms     0.033 ms    12 ms        4.9 ms       18 ms
+2^32       0.17 ms     0.033 ms    19 ms        5 ms         9 s (extrapolated)
+2^40       0.22 ms     0.033 ms    22 ms        5 ms         40 min (extrapolated)
+2^64       0.40 ms     0.033 ms    41 ms        4.6 ms       2,400 years (extrapolated)
+2^128      0.86 ms     0.033 ms    80 ms        5 ms
 =========  ==========  ==========  ===========  ===========  =========================
 
-With the C routines a jump costs about 0.2 ms plus 20 us per bit of ``k`` beyond 14 (the worst case, ``k`` of
-19,937 bits or more, about 0.4 s), and 0.22 ms for a repeated distance (less below 10^5 outputs, where ``x^M mod p``
-has few terms); the first one in a process about 1.5 ms. With the torch path alone it costs about 8 ms plus 0.6 ms
-per bit of ``k`` beyond 14 (the worst case about 12 s), 5 ms for a repeated distance, and the first one in a
-process also builds the FFT tables (about 0.05 to 0.15 s). Either way it costs well under 0.1 ms up to 30 blocks.
-Drawing costs 2.15 ns per output, plus 0.04 ms. So with the C routines the two meet within the first 1,000 outputs
-(a jump past the current block measured 0.036 ms, drawing 700 outputs 0.040 ms), and ``jumped_state`` draws only
-below ``DRAWING_CROSSOVER`` = 1,000 outputs; with the torch path alone they meet at about 5,000,000 outputs, and
-``DRAWING_CROSSOVER`` is that. A jump to a far distance still costs what drawing 100,000 (repeated)
-to 300,000 (fresh, up to ``2^32``) outputs costs with the C routines: ``FAR_JUMP_COST`` says so.
+With the C routines (this CPU has AVX-512 and VPCLMULQDQ) a jump costs about 0.03 ms plus 7 us per bit of ``k``
+beyond 14 (the worst case, ``k`` of 19,937 bits or more, about 0.15 s), and 0.033 ms for a repeated distance (0.01
+ms up to 30 blocks, where ``x^M mod p`` has few terms; of the 0.033 ms, the sums take 0.02 and Python 0.01); the
+first one in a process about 0.6 ms. Their methods for other CPUs (``modattrs._speedups.mt19937_methods()`` names
+those a CPU has) take, for the sums of a far jump, 0.035 ms (AVX2 and VPCLMULQDQ), 0.07 ms (PCLMULQDQ) or 0.29 ms
+(none of them), and for the power 10 us (AVX2) or 25 us per bit of ``k``. With the torch path alone a jump costs
+about 8 ms plus 0.6 ms per bit of ``k`` beyond 14 (the worst case about 12 s), 5 ms for a repeated distance, and
+the first one in a process also builds the FFT tables (about 0.05 to 0.15 s); well under 0.1 ms up to 30 blocks.
+Drawing costs 2.15 ns per output, plus 0.025 ms. So with the C routines a jump costs less than drawing at any
+distance past the current block (0.010 ms against 0.025 ms for drawing 700 outputs), and ``jumped_state`` always
+jumps: ``DRAWING_CROSSOVER`` is 0; with the torch path alone they meet at about 5,000,000 outputs, and
+``DRAWING_CROSSOVER`` is that. A jump to a far distance costs what drawing 15,000 (repeated) to 80,000 (fresh, up
+to ``2^32``) outputs costs with carry-less multiplication, 140,000 to 370,000 without: ``FAR_JUMP_COST`` says so.
 
 The torch path's FFTs run on torch's intra-op threads (MKL). With more busy threads than cores each FFT can wait for
 a scheduler time slice: with 2 threads on this machine under a load of about 3, jumps of 3 to 8 million outputs took
@@ -122,14 +129,19 @@ __all__ = [
 ]
 
 #: From this many outputs on ``jumped_state`` jumps; below it, past the current block, it draws. Where both cost
-#: the same (module docstring): about 0.04 ms with the C extension, 11 ms with the torch path alone.
-DRAWING_CROSSOVER = 1_000 if _speedups is not None else 5_000_000
+#: the same (module docstring): with the C extension nowhere (a jump past the block costs 0.010 ms, drawing
+#: 0.025 ms), so 0; with the torch path alone at about 11 ms.
+DRAWING_CROSSOVER = 0 if _speedups is not None else 5_000_000
+_CARRY_LESS = _speedups is not None and _speedups.mt19937_methods()["twisted"][-1] != "words"  # this CPU has it
 #: What a jump to a distance of 10^6 outputs or more costs, counted in outputs drawn in that time (module docstring):
-#: 0.22 ms (repeated distance) to 0.6 ms (fresh, up to 2^32) with the C extension, 5 to 12 ms with the torch path.
-FAR_JUMP_COST = 200_000 if _speedups is not None else 5_000_000
+#: with the C extension 0.033 ms (repeated distance) to 0.17 ms (fresh, up to 2^32) on a CPU with carry-less
+#: multiplication, 0.3 to 0.8 ms on one without; 5 to 12 ms with the torch path.
+FAR_JUMP_COST = 50_000 if _CARRY_LESS else 200_000 if _speedups is not None else 5_000_000
 
 _STATE_BYTES = 5056
 _HEADER = struct.Struct("=QiiQ")  # initial seed, left, seeded, next
+_LEFT, _LEFT_AT = struct.Struct("=i"), 8
+_NEXT, _NEXT_AT = struct.Struct("=Q"), 16
 _ARRAY_START = _HEADER.size
 _ARRAY_END = _ARRAY_START + 624 * 8
 
@@ -198,9 +210,10 @@ def advance_by_drawing(state: torch.Tensor, outputs: int) -> torch.Tensor:
 
 
 def advance_by_polynomial(state: torch.Tensor, outputs: int) -> torch.Tensor:
-    """``jumped_state``'s result by polynomial jump-ahead: with the C extension about 0.2 ms plus 20 us per bit of
-    ``outputs`` beyond 14, and 0.22 ms for a distance jumped before; with the torch path alone (no extension built)
-    about 8 ms plus 0.6 ms per bit, and 5 ms for a distance jumped before. Short jumps cost less (module docstring).
+    """``jumped_state``'s result by polynomial jump-ahead: with the C extension about 0.03 ms plus 7 us per bit of
+    ``outputs`` beyond 14, and 0.033 ms for a distance jumped before (on a CPU with AVX-512 and VPCLMULQDQ; others
+    take up to 10 times as long); with the torch path alone (no extension built) about 8 ms plus 0.6 ms per bit, and
+    5 ms for a distance jumped before. Short jumps cost less (module docstring).
 
     Same arguments, result and errors as ``jumped_state``; the module docstring describes the method.
     """
@@ -212,10 +225,9 @@ def advance_by_polynomial(state: torch.Tensor, outputs: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Parsed:
-    state: torch.Tensor  # a contiguous copy of the caller's state
+    state: bytearray  # a copy of the caller's state: the result is written into it, so each _Parsed makes one result
     left: int
     next: int
-    words: torch.Tensor  # the array, int64, 32-bit values
     outputs: int
 
 
@@ -240,8 +252,10 @@ def _parse(state: torch.Tensor, outputs: int, caller: str) -> _Parsed:
         ) from None
     if count < 0:
         raise ValueError(f"{caller}: `outputs` must be 0 or more (the generator cannot go back), got {count}")
-    copy = state.detach().clone(memory_format=torch.contiguous_format)
-    _, left, seeded, next_ = _HEADER.unpack(bytes(copy[: _HEADER.size].tolist()))
+    # one copy, read and written as bytes: 4 us a jump, where tensor slices, clones and .tolist() took 24
+    copy = bytearray(_STATE_BYTES)
+    torch.frombuffer(copy, dtype=torch.uint8).copy_(state)
+    _, left, seeded, next_ = _HEADER.unpack_from(copy)
     if not seeded:
         raise ValueError(
             f"{caller}: `state` has its `seeded` flag cleared, and torch's set_state refuses such a state; pass a "
@@ -257,17 +271,19 @@ def _parse(state: torch.Tensor, outputs: int, caller: str) -> _Parsed:
             f"{caller}: `state` has a position from which torch's engine would read past its array; pass a state a "
             f"generator's get_state() returned\n  expected: next + left - 1 <= {_N}\n  got: left={left}, next={next_}"
         )
-    words = copy[_ARRAY_START:_ARRAY_END].view(torch.int64) & _WORD
-    return _Parsed(copy, left, next_, words, count)
+    return _Parsed(copy, left, next_, count)
 
 
-def _with_position(parsed: _Parsed, left: int, next_: int, words: torch.Tensor) -> torch.Tensor:
-    result = parsed.state.clone()
-    seed, _, seeded, _ = _HEADER.unpack(bytes(result[: _HEADER.size].tolist()))
-    header = bytearray(_HEADER.pack(seed, left, seeded, next_))
-    result[: _HEADER.size] = torch.frombuffer(header, dtype=torch.uint8)
-    result[_ARRAY_START:_ARRAY_END].view(torch.int64).copy_(words & _WORD)
-    return result
+def _array(state: bytearray) -> torch.Tensor:
+    """The engine's array in ``state``, as int64 words sharing its memory."""
+    return torch.frombuffer(state, dtype=torch.int64, count=_N, offset=_ARRAY_START)
+
+
+def _result(parsed: _Parsed, left: int, next_: int) -> torch.Tensor:
+    """``parsed.state`` with that position, as a tensor sharing its memory (its array already written)."""
+    _LEFT.pack_into(parsed.state, _LEFT_AT, left)
+    _NEXT.pack_into(parsed.state, _NEXT_AT, next_)
+    return torch.frombuffer(parsed.state, dtype=torch.uint8)
 
 
 # --- drawing ---------------------------------------------------------------------------------------------------------
@@ -275,7 +291,7 @@ def _with_position(parsed: _Parsed, left: int, next_: int, words: torch.Tensor) 
 
 def _advance_by_drawing(parsed: _Parsed) -> torch.Tensor:
     generator = torch.Generator(device="cpu")
-    generator.set_state(parsed.state)
+    generator.set_state(torch.frombuffer(parsed.state, dtype=torch.uint8))
     scratch = torch.empty(min(parsed.outputs, _DRAW_CHUNK), dtype=torch.uint8, device="cpu")
     remaining = parsed.outputs
     while remaining > 0:
@@ -284,7 +300,8 @@ def _advance_by_drawing(parsed: _Parsed) -> torch.Tensor:
         remaining -= take
     drawn = generator.get_state()
     _, left, _, next_ = _HEADER.unpack(bytes(drawn[: _HEADER.size].tolist()))
-    return _with_position(parsed, left, next_, drawn[_ARRAY_START:_ARRAY_END].view(torch.int64))
+    _array(parsed.state).copy_(drawn[_ARRAY_START:_ARRAY_END].view(torch.int64) & _WORD)
+    return _result(parsed, left, next_)
 
 
 # --- jumping ---------------------------------------------------------------------------------------------------------
@@ -293,10 +310,12 @@ def _advance_by_drawing(parsed: _Parsed) -> torch.Tensor:
 def _advance_by_polynomial(parsed: _Parsed) -> torch.Tensor:
     in_block = parsed.left - 1  # outputs still in the current array
     if parsed.outputs <= in_block:
-        return _with_position(parsed, parsed.left - parsed.outputs, parsed.next + parsed.outputs, parsed.words)
+        _array(parsed.state).bitwise_and_(_WORD)  # words written as 32-bit values, as a twist writes them
+        return _result(parsed, parsed.left - parsed.outputs, parsed.next + parsed.outputs)
     beyond = parsed.outputs - in_block  # >= 1 outputs from the twisted blocks
     blocks, last = divmod(beyond - 1, _N)  # the output lands in twisted block `blocks + 1`, at index `last`
-    return _with_position(parsed, _N - last, last + 1, _twisted(parsed.words, blocks + 1))
+    _twist(parsed.state, blocks + 1)
+    return _result(parsed, _N - last, last + 1)
 
 
 @contextlib.contextmanager
@@ -327,19 +346,21 @@ _jumping = 0  # jumps running, in any thread
 _threads_before = 1  # the thread count when the first of them began
 
 
-def _twisted(words: torch.Tensor, blocks: int) -> torch.Tensor:
-    """The array after ``blocks`` (>= 1) twists of ``words``: ``w[624 blocks .. 624 blocks + 623]``."""
+def _twist(state: bytearray, blocks: int) -> None:
+    """Replace the array in ``state`` by the array after ``blocks`` (>= 1) twists: ``w[624 blocks .. + 623]``."""
     exponent = (_N * blocks - 1) % _PERIOD
     speedups = _speedups
     if speedups is not None:  # the same sums in C, from the same bits: the same words
-        array = bytearray(_N * 8)
-        torch.frombuffer(array, dtype=torch.int64).copy_(words)
+        array = memoryview(state)[_ARRAY_START:_ARRAY_END]
         speedups.mt19937_twisted(array, _coefficients(exponent))
-        return torch.frombuffer(array, dtype=torch.int64)
+        return
+    words = _array(state) & _WORD
     with _one_thread():
         if exponent < _DEGREE:  # x^M mod p is x^M itself: the words are the stream's, from M + 1 on
-            return _untempered(words, exponent + 1 + _N)[exponent + 1 :]
-        return _correlate(_unpacked(_coefficients(exponent)), _untempered(words, _STREAM))
+            twisted = _untempered(words, exponent + 1 + _N)[exponent + 1 :]
+        else:
+            twisted = _correlate(_unpacked(_coefficients(exponent)), _untempered(words, _STREAM))
+    _array(state).copy_(twisted)
 
 
 def _coefficients(exponent: int) -> bytes:
@@ -395,8 +416,8 @@ def forget_powers() -> None:
 
 
 def _power_of_x_packed(exponent: int) -> bytes:
-    """``x^exponent mod p``, bit-packed: in C by squaring (about 20 us a bit of ``exponent`` past its top 14), else
-    by ``_power_of_x`` in torch (about 0.6 ms a bit), with the same result."""
+    """``x^exponent mod p``, bit-packed: in C by squaring (7 to 25 us a bit of ``exponent`` past its top 14, by
+    CPU), else by ``_power_of_x`` in torch (about 0.6 ms a bit), with the same result."""
     speedups = _speedups
     if speedups is not None:
         big_endian = exponent.to_bytes((exponent.bit_length() + 7) // 8, "big")
