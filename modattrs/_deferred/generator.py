@@ -263,6 +263,7 @@ class Walk:
         self.record = record
         self.device = device
         self.draws = [index for index, op in enumerate(record.ops) if draws_on_cpu(op, device)]
+        self.resets = [index for index in self.draws if record.ops[index].reset is not None]
         self.states = record.states.setdefault("" if device is None else str(device), {})
         self.live: int | None = None  # the generator holds the state after the first `live` operations ...
         self.pending = 0  # ... but for this many outputs, which it is yet to be jumped over
@@ -411,11 +412,9 @@ class Walk:
         known = [index for index in self.states if index <= count]
         if known:
             candidates.append(max(known))
-        ops = self.record.ops
-        for index in reversed(self.draws[: bisect.bisect_left(self.draws, count)]):
-            if ops[index].reset is not None:
-                candidates.append(index)
-                break
+        before = bisect.bisect_left(self.resets, count)  # the last reset before `count`
+        if before:
+            candidates.append(self.resets[before - 1])
         return max(candidates)
 
     def _reset_of(self, index: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ import math
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -152,7 +152,8 @@ def plan(
     for index in sorted(kept):
         op = ops[index]
         results[index] = made = _results_of(op, layouts)
-        for storage in {slot.storage for slot in op.slots} | op.writes | made.storages:
+        storages = made.storages.union(op.writes, [slot.storage for slot in op.slots])
+        for storage in storages:
             touching.setdefault(storage, []).append(index)
     spans: dict[int, list[range]] = {}
     whole: set[int] = set()  # storages a target holds in a layout the record does not know
@@ -191,8 +192,9 @@ def _window(
     for index in indices[1:]:
         op = ops[index]
         on = [slot for slot in op.slots if slot.storage == storage]
-        if not all(_laid_out(slot, layouts, whole.dtype) for slot in on):
-            return None  # a ref whose geometry changed in place, not laid out, or in another dtype
+        for slot in on:
+            if not _laid_out(slot, layouts, whole.dtype):
+                return None  # a ref whose geometry changed in place, not laid out, or in another dtype
         func = op.func
         if not isinstance(func, OpOverload):
             return None  # an opaque initializer: its effect on a part is unknown
@@ -239,8 +241,7 @@ def _window(
     return Window(storage, whole.dtype, start, stop, roles, indices[-1], patterns=patterns)
 
 
-@dataclass(frozen=True, slots=True)
-class _Results:
+class _Results(NamedTuple):  # made once per kept operation: a tuple is the cheapest to make
     """Where the tensors an operation returns lie: once per operation, as ``split`` returns one per rank."""
 
     storages: frozenset[int]  # of those the record knows the layout of
