@@ -133,8 +133,9 @@ def materialize_module(
         check_fn: called with every submodule (``module`` included); only the own parameters and buffers of
             those it returns true for are materialized, the rest stay fake (torchdistx's rule, which FSDP1 uses).
         buffers_only: materialize buffers (and plain tensor attributes) only.
-        threads: how many threads a large random fill (``normal_``, ``uniform_``, ... of more than 600,000 32-bit
-            outputs; 15 million without modattrs' C extension) is split over, each drawing its own range from a
+        threads: how many threads a large random fill (``normal_``, ``uniform_``, ... of more than 150,000 32-bit
+            outputs; 600,000 on a CPU without carry-less multiplication, 15 million without modattrs' C extension)
+            is split over, each drawing its own range from a
             jumped copy of the generator's state: the same values as one thread, faster on a machine with free
             cores. By default, torch's intra-op thread count (``torch.get_num_threads()``); 1 draws as eager code
             does.

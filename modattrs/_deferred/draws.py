@@ -73,10 +73,11 @@ that range, the kernel redraws them from the same outputs), on pairs for ``PAIRS
 element 0). ``SERIAL`` and ``BLOCKS`` ranges are drawn straight into ``out``'s memory, through views of it;
 ``PAIRS`` ones on scratch tensors on the scalar path, then copied in (a range of a non-contiguous result can be
 contiguous, and the kernel would take the block path on it). Each range after the first pays for a jump, which costs
-about what drawing ``JUMP_COST`` outputs costs (``mt19937.FAR_JUMP_COST``: 200,000 with the C extension, 0.2 to
-0.6 ms; 5M with the torch path alone, 11 to 15 ms; against 2.2 to 4.2 ns an output), so the first range, which needs
-none, draws that many outputs more than each of the others, and each of the others draws at least that many: below
-three times that (600,000 outputs with the extension, 15M without) or with one thread the operation runs once, on
+about what drawing ``JUMP_COST`` outputs costs (``mt19937.FAR_JUMP_COST``: 50,000 with the C extension on a CPU
+with carry-less multiplication, 0.03 to 0.17 ms, 200,000 without it; 5M with the torch path alone, 11 to 15 ms;
+against 2.2 to 4.2 ns an output), so the first range, which needs none, draws that many outputs more than each of
+the others, and each of the others draws at least that many: below three times that (150,000 outputs with the
+extension, 15M without) or with one thread the operation runs once, on
 ``out``. That threshold counts outputs,
 not time, so it is conservative for kernels that spend more per output (``normal_``'s transforms, ``PAIRS``). The
 threads are kept from call to call (a new thread's first jump costs about 90 ms more, setting up OpenMP and MKL) and
