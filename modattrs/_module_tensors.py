@@ -42,6 +42,11 @@ def own_tensors(module: nn.Module, prefix: str = "", *, buffers_only: bool = Fal
     for name, value in vars(module).items():
         if name in TABLE_NAMES:
             continue
+        if isinstance(value, torch.Tensor):
+            yield HeldTensor("tensor attribute", join(prefix, name), module, value)
+            continue
+        if not isinstance(value, (list, tuple, dict)) or not value:
+            continue  # most attributes: flags, sizes, tables of hooks without hooks
         for path, tensor in _tensors_in(value, name, set()):
             yield HeldTensor("tensor attribute", join(prefix, path), module, tensor)
 

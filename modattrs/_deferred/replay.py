@@ -127,8 +127,8 @@ def _dead_fills(ops: list[Op], kept: set[int], layouts: Mapping[int, Layout]) ->
     dead: dict[int, OpOverload] = {}
     for index in sorted(kept):
         op = ops[index]
-        touched = {slot.storage for slot in op.slots} | op.writes
-        for storage in touched & filled.keys():
+        touched = () if not filled else {slot.storage for slot in op.slots} | op.writes
+        for storage in filled.keys() & touched:
             factory = filled.pop(storage)
             neutral = isinstance(op.func, OpOverload) and op.func.is_view and not op.writes
             if neutral or op.func is torch.ops.prim.device.default:

@@ -258,7 +258,10 @@ def _results_of(op: Op, layouts: Mapping[int, Layout]) -> _Results:
         return _NOTHING_LAID if ref is None else _UNLAID
     refs = op.out_refs
     found: Callable[[int | None], Layout | None] = layouts.get  # type: ignore[assignment]  # get(None) is None
-    known = [layout for layout in map(found, refs) if layout is not None]
+    laid = list(map(found, refs))
+    if all(laid):  # a split's results, in C loops (a layout is true, None false)
+        return _Results(frozenset(map(_STORAGE, laid)), frozenset(map(_DTYPE, laid)), False)
+    known = [layout for layout in laid if layout is not None]
     unlaid = len(known) != len(refs) - refs.count(None)
     return _Results(frozenset(map(_STORAGE, known)), frozenset(map(_DTYPE, known)), unlaid)
 
@@ -376,7 +379,7 @@ def run(
 ) -> bool:
     """Run the kept operation ``op`` (at ``index``) on the windows ``on`` that it has a role in; False if it is
     only read by it, for the caller to run as usual with ``window_arguments``."""
-    roles = {window.roles[index] for window in on}
+    roles = {on[0].roles[index]} if len(on) == 1 else {window.roles[index] for window in on}
     if Role.VIEW in roles:
         (window,) = on
         start, stop = window.start, window.stop
