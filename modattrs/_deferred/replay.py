@@ -14,7 +14,7 @@ generator, the replay asks it to set the state eager code drew from. Operations 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -77,7 +77,7 @@ def _run_kept(
 ) -> None:
     """Run the ``kept`` operations in order, keeping their results in ``env`` until their last use; ``parts``: the
     windows of storages made in part (see ``Note [Replaying only the part that is kept]``)."""
-    frees = _last_uses(ops, kept, targets)
+    frees, wanted = _last_uses(ops, kept, targets)
     unfilled = _dead_fills(ops, kept, layouts or {})
     copies: Copies = {}
     roles: dict[int, list[windows.Window]] = {}
@@ -92,10 +92,9 @@ def _run_kept(
         if on is not None:
             assert parts is not None
             assert layouts is not None
-            if not windows.run(op, index, on, parts, env, device, copies, walk, layouts):
-                _run(
-                    op, env, device, copies, tensors=windows.window_arguments(op, parts, env), func=unfilled.get(index)
-                )
+            if not windows.run(op, index, on, parts, env, wanted, device, copies, walk, layouts):
+                tensors = windows.window_arguments(op, parts, env)
+                _run(op, env, wanted, device, copies, tensors=tensors, func=unfilled.get(index))
             for window in on:
                 if window.last == index:
                     window.tensor = window.make = None  # what reads it holds views of it
@@ -103,7 +102,7 @@ def _run_kept(
             draws = walk.is_draw(index)
             if draws:
                 walk.before(index)
-            _run(op, env, device, copies, threads if draws else 1, func=unfilled.get(index))
+            _run(op, env, wanted, device, copies, threads if draws else 1, func=unfilled.get(index))
             if draws:
                 walk.ran(index)
         for ref in frees.get(index, ()):
@@ -159,21 +158,18 @@ def _slice(ops: list[Op], targets: Mapping[int, int]) -> set[int]:
     return kept
 
 
-def _last_uses(ops: list[Op], kept: set[int], targets: Mapping[int, int]) -> dict[int, list[int]]:
-    """For each kept operation, the refs that no later kept operation reads and that are not targets."""
-    last_use: dict[int | None, int] = {}
+def _last_uses(ops: list[Op], kept: set[int], targets: Mapping[int, int]) -> tuple[dict[int, list[int]], set[int]]:
+    """The refs a replay keeps: those a kept operation reads, and the targets (a split at N ranks makes N results,
+    of which one is read); and for each kept operation, the refs that no later one reads and are not targets."""
+    last_use: dict[int, int] = {}
     for index in sorted(kept):
-        op = ops[index]
-        for ref in op.in_refs:
+        for ref in ops[index].in_refs:
             last_use[ref] = index
-        for out in op.out_refs:
-            if out not in last_use:
-                last_use[out] = index  # made and never read: freed at once
     frees: dict[int, list[int]] = {}
     for held, last in last_use.items():
-        if held is not None and held not in targets:  # None: results that are not tensors
+        if held not in targets:
             frees.setdefault(last, []).append(held)
-    return frees
+    return frees, last_use.keys() | targets.keys()
 
 
 def _check_devices(ops: list[Op], kept: Iterable[int], device: torch.device | None) -> None:
@@ -183,8 +179,10 @@ def _check_devices(ops: list[Op], kept: Iterable[int], device: torch.device | No
     else:
         for index in kept:
             op = ops[index]
-            devices.update(op.flat[position] for position in op.device_slots)
-            devices.update(slot.device for slot in op.slots)
+            if op.device_slots:
+                devices.update([op.flat[position] for position in op.device_slots])
+            for slot in op.slots:
+                devices.add(slot.device)
     for candidate in devices:
         where = f"device={str(candidate)!r}" if device is not None else f"{candidate}, where it was recorded,"
         if candidate.type == "cuda" and not torch.cuda.is_available():
@@ -268,6 +266,7 @@ def _filled_on_threads(op: Op, args: Sequence[Any], kwargs: dict[str, Any], thre
 def _run(
     op: Op,
     env: dict[int, torch.Tensor],
+    wanted: Container[int],
     device: torch.device | None,
     copies: Copies,
     threads: int = 1,
@@ -287,5 +286,5 @@ def _run(
     if op.constant_slots:
         leaves = private_results(op, leaves, device, copies)
     for leaf, ref in zip(leaves, op.out_refs, strict=True):
-        if ref is not None:
+        if ref is not None and ref in wanted:  # None: a result that is not a tensor
             env[ref] = leaf

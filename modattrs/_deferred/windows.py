@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -103,6 +103,7 @@ class Window:
     patterns: dict[int, draws.Pattern] = field(default_factory=dict)  # by index, for DRAW
     tensor: torch.Tensor | None = None  # the window's memory, once made
     make: Callable[[], torch.Tensor] | None = None  # its creator, run on the window's size: see memory
+    empty: torch.Tensor | None = None  # its stand_in
 
     def memory(self) -> torch.Tensor:
         """The window's memory, made now if it is not yet. The creator runs only when something needs it before
@@ -127,8 +128,11 @@ class Window:
         return memory.as_strided(layout.size, layout.stride, memory.storage_offset() + offset)
 
     def stand_in(self) -> torch.Tensor:
-        """A tensor of the window's dtype and device, without elements, for operations that read only those."""
-        return torch.empty(0, dtype=self.dtype, device="cpu")
+        """A tensor of the window's dtype and device, without elements, for operations that read only those (one
+        for all of them: they do not write it)."""
+        if self.empty is None:
+            self.empty = torch.empty(0, dtype=self.dtype, device="cpu")
+        return self.empty
 
 
 def plan(
@@ -254,9 +258,12 @@ def _results_of(op: Op, layouts: Mapping[int, Layout]) -> _Results:
         ref = op.out_refs[0]
         layout = layouts.get(ref) if ref is not None else None
         if layout is not None:
-            return _Results(frozenset((layout.storage,)), frozenset((layout.dtype,)), False)
+            return _results_of_one(layout)
         return _NOTHING_LAID if ref is None else _UNLAID
     refs = op.out_refs
+    if isinstance(op.func, OpOverload) and op.func.is_view and refs[0] is not None and refs[0] in layouts:
+        # split, unbind, chunk: every result is a new view of the storage viewed, in its dtype; the first says
+        return _results_of_one(layouts[refs[0]])
     found: Callable[[int | None], Layout | None] = layouts.get  # type: ignore[assignment]  # get(None) is None
     laid = list(map(found, refs))
     if all(laid):  # a split's results, in C loops (a layout is true, None false)
@@ -264,6 +271,10 @@ def _results_of(op: Op, layouts: Mapping[int, Layout]) -> _Results:
     known = [layout for layout in laid if layout is not None]
     unlaid = len(known) != len(refs) - refs.count(None)
     return _Results(frozenset(map(_STORAGE, known)), frozenset(map(_DTYPE, known)), unlaid)
+
+
+def _results_of_one(layout: Layout) -> _Results:
+    return _Results(frozenset((layout.storage,)), frozenset((layout.dtype,)), False)
 
 
 _STORAGE, _DTYPE = operator.attrgetter("storage"), operator.attrgetter("dtype")
@@ -372,6 +383,7 @@ def run(
     on: list[Window],
     windows: Mapping[int, Window],
     env: dict[int, torch.Tensor],
+    wanted: Container[int],
     device: torch.device | None,
     copies: Copies,
     walk: generator.Walk,
@@ -384,7 +396,7 @@ def run(
         (window,) = on
         start, stop = window.start, window.stop
         for ref in op.out_refs:
-            if ref is None:
+            if ref is None or ref not in wanted:  # a split's results but this rank's
                 continue
             layout = layouts[ref]
             span = layout.span  # within the window (as _within, inline: a split at N ranks makes N)
