@@ -397,11 +397,18 @@ class Walk:
         self._jump_pending()
         if self.live is not None and self.live not in self.states:
             self.states[self.live] = _get_state()
-        settled = self.record.drawn | self.record.dead_writes()
+        drawn, dead = self.record.drawn, None
         for start, end in itertools.pairwise([*sorted(self.states), len(self.record.ops) + 1]):
             between = self.draws[bisect.bisect_left(self.draws, start) : bisect.bisect_left(self.draws, end)]
-            if between and settled.issuperset(between):
-                del self.states[start]
+            if not between:
+                continue
+            rest = [index for index in between if index not in drawn]
+            if rest:
+                if dead is None:  # worked out only then: a whole materialization has drawn every draw
+                    dead = self.record.dead_writes()
+                if not dead.issuperset(rest):
+                    continue
+            del self.states[start]
 
     def _nearest_known(self, count: int) -> int:
         """The latest point at or before ``count`` whose state is known: 0 (the start), a remembered state, a reset,
