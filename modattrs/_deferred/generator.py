@@ -447,8 +447,9 @@ _UNKNOWN: Any = object()
 
 def _call_key(op: Op, device: torch.device | None) -> tuple[Any, ...] | None:
     """What ``draws.pattern`` reads of a recorded call, hashable: the operation, its arguments but tensors, the
-    tensors' layouts, the replay's device and the defaults a factory takes. None for a call with a real tensor among
-    its arguments (its kernel in the pattern holds that tensor) or an unhashable argument."""
+    tensors' layouts, the replay's device and, for a factory without tensor arguments, the defaults it takes. None
+    for a call with a real tensor among its arguments (its kernel in the pattern holds that tensor) or an unhashable
+    argument."""
     if op.constant_slots:
         return None
     key = (
@@ -457,8 +458,7 @@ def _call_key(op: Op, device: torch.device | None) -> tuple[Any, ...] | None:
         tuple(op.flat),
         tuple((slot.index, slot.size, slot.stride, slot.dtype, slot.device) for slot in op.slots),
         device,
-        torch.get_default_dtype(),
-        torch.get_default_device(),
+        None if op.slots else (torch.get_default_dtype(), torch.get_default_device()),
     )
     try:
         hash(key)

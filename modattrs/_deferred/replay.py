@@ -14,6 +14,7 @@ generator, the replay asks it to set the state eager code drew from. Operations 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -240,7 +241,12 @@ def _refuse_collectives(
 
 
 def _is_collective(func: object) -> bool:
-    return isinstance(func, OpOverload) and func.namespace in _COLLECTIVE_NAMESPACES
+    return isinstance(func, OpOverload) and _in_collective_namespace(func)
+
+
+@functools.lru_cache(maxsize=512)  # asked of every kept operation; the namespace is parsed from the schema's name
+def _in_collective_namespace(func: OpOverload) -> bool:
+    return func.namespace in _COLLECTIVE_NAMESPACES
 
 
 # c10d: the collectives torch.distributed calls (scatter_, broadcast_, allreduce_, ...); the others: functional

@@ -233,8 +233,7 @@ def _window(
             return None
     if _covered(spans, math.prod(whole.size)):
         return None  # all of it is needed: made whole, as eager code makes it
-    start = min((span.start for span in spans if span), default=0)
-    stop = max((span.stop for span in spans if span), default=0)
+    start, stop = _hull(spans) or (0, 0)
     for index, span in partial.items():
         if span.start >= start and span.stop <= stop:
             continue
@@ -286,14 +285,22 @@ _UNLAID = _Results(frozenset(), frozenset(), True)
 
 def _covered(spans: list[range], elements: int) -> bool:
     """Whether the hull of ``spans`` covers elements ``0:elements`` (a window of it would be all of it)."""
-    start = min((span.start for span in spans if span), default=0)
-    stop = max((span.stop for span in spans if span), default=0)
+    start, stop = _hull(spans) or (0, 0)
     return start <= 0 and stop >= elements
+
+
+def _hull(spans: list[range]) -> tuple[int, int] | None:
+    """The first and last element + 1 of the non-empty ``spans`` (which lie within their storage), if any."""
+    hull = None
+    for span in spans:
+        if span:
+            hull = (span.start, span.stop) if hull is None else (min(hull[0], span.start), max(hull[1], span.stop))
+    return hull
 
 
 def _created(op: Op, storage: int, layouts: Mapping[int, Layout]) -> Layout | None:
     """The layout of the whole storage if ``op`` is a factory that made it, contiguous from its start."""
-    if op.func not in _CREATORS or any(slot.storage == storage for slot in op.slots) or len(op.out_refs) != 1:
+    if len(op.out_refs) != 1 or op.func not in _CREATORS or any(slot.storage == storage for slot in op.slots):
         return None
     ref = op.out_refs[0]
     layout = layouts.get(ref) if ref is not None else None
