@@ -150,14 +150,17 @@ def _check_swappable(tensors: list[tuple[str, FakeTensor]]) -> None:
     """Raise for a tensor that torch.utils.swap_tensors would refuse, once torch's own fake tensor memo (which holds
     weak references to some) has let go of it."""
     views_of: dict[int, int] = {}
+    by_mode: dict[int, tuple[RecordingFakeTensorMode, list[FakeTensor]]] = {}
     for _, tensor in tensors:
         base = view_base_of(tensor)
         if base is not None:
             views_of[id(base)] = views_of.get(id(base), 0) + 1
-    for label, tensor in tensors:
         mode = recording_mode(tensor)
         assert mode is not None
-        mode.forget(tensor)
+        by_mode.setdefault(id(mode), (mode, []))[1].append(tensor)
+    for mode, held in by_mode.values():
+        mode.forget(held)
+    for label, tensor in tensors:
         if weakref.getweakrefcount(tensor):
             raise DeferredInitError(
                 f"{label} cannot be made real in place: something holds a weak reference to it.\n"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -56,7 +56,7 @@ from modattrs._torch_private import (
     UnsupportedOperatorException,
     address_of,
     disable_current_modes,
-    forget_fake,
+    forget_fakes,
     tree_flatten,
     version_of,
     written_arguments,
@@ -213,10 +213,10 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         with generator.lock:
             return self._storage_of(tensor)
 
-    def forget(self, tensor: FakeTensor) -> None:
-        """Drop the weak references torch's fake tensor machinery keeps to ``tensor`` (the memo of fakes made from
+    def forget(self, tensors: Iterable[FakeTensor]) -> None:
+        """Drop the weak references torch's fake tensor machinery keeps to ``tensors`` (the memo of fakes made from
         real tensors, and of constants), which ``torch.utils.swap_tensors`` would refuse."""
-        forget_fake(self, tensor)
+        forget_fakes(self, tensors)
 
     # --- recording --------------------------------------------------------------------------------------------------
 
