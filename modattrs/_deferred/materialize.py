@@ -78,7 +78,8 @@ def _replay_and_swap(
         recorded_root = mode.record.root() if mode.record.root is not None else None
         if recorded_root is not None:
             _add_aliases(tensors, mode, recorded_root, walked=full and recorded_root is module)
-            scope.extend(recorded_root.modules())
+            if recorded_root is not module:
+                scope.extend(recorded_root.modules())
     refs = {key: ref_of(label, tensor) for _, tensors in groups.values() for key, (label, tensor) in tensors.items()}
     everything = [entry for _, tensors in groups.values() for entry in tensors.values()]
     with _recurrent_weights_released(scope, everything):
@@ -292,8 +293,11 @@ def module_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
 def fsdp_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """The shard storage FSDP2 keeps for the parameters of ``module`` and its submodules: ``module_tensors`` without
     the modules' own tensors."""
-    for prefix, submodule in module.named_modules():
-        yield from _fsdp_shards(submodule, prefix)
+    walked = list(module.named_modules())
+    paths = {id(submodule): prefix for prefix, submodule in walked}  # one walk for all the units
+    for _, submodule in walked:
+        for holder, parameter_name, shard in fsdp_padded_shards(submodule):
+            yield _fsdp_label(join(paths.get(id(holder), "?"), parameter_name)), shard
 
 
 def own_tensors_of(module: nn.Module, prefix: str, *, buffers_only: bool) -> Iterator[tuple[str, Tensor]]:
@@ -325,5 +329,8 @@ def _fsdp_shards(module: nn.Module, prefix: str) -> Iterator[tuple[str, Tensor]]
         if paths is None:  # once per unit, not per parameter: the root's unit spans the whole model
             paths = {id(sub): path for path, sub in module.named_modules()}
         owner = paths.get(id(holder), "?")
-        name = join(join(prefix, owner) if owner else prefix, parameter_name)
-        yield f"FSDP2's padded shard of parameter {name!r}", shard
+        yield _fsdp_label(join(join(prefix, owner) if owner else prefix, parameter_name)), shard
+
+
+def _fsdp_label(name: str) -> str:
+    return f"FSDP2's padded shard of parameter {name!r}"
