@@ -263,6 +263,7 @@ class Walk:
         self.record = record
         self.device = device
         self.draws = [index for index, op in enumerate(record.ops) if draws_on_cpu(op, device)]
+        self.drawing = frozenset(self.draws)  # is_draw, asked of every kept operation
         self.resets = [index for index in self.draws if record.ops[index].reset is not None]
         self.states = record.states.setdefault("" if device is None else str(device), {})
         self.live: int | None = None  # the generator holds the state after the first `live` operations ...
@@ -273,8 +274,7 @@ class Walk:
         self._patterns: dict[int, draws.Pattern | None] = {}  # by draw: see pattern_of
 
     def is_draw(self, index: int) -> bool:
-        position = bisect.bisect_left(self.draws, index)
-        return position < len(self.draws) and self.draws[position] == index
+        return index in self.drawing
 
     def before(self, index: int) -> None:
         """Set the generator to the state the draw at ``index`` draws from in eager code."""
