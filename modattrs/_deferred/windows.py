@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -253,34 +252,19 @@ class _Results(NamedTuple):  # made once per kept operation: a tuple is the chea
 
 
 def _results_of(op: Op, layouts: Mapping[int, Layout]) -> _Results:
-    if len(op.out_refs) == 1:  # most operations: no lists to build
-        ref = op.out_refs[0]
-        layout = layouts.get(ref) if ref is not None else None
-        if layout is not None:
-            return _results_of_one(layout)
-        return _NOTHING_LAID if ref is None else _UNLAID
     refs = op.out_refs
-    if isinstance(op.func, OpOverload) and op.func.is_view and refs[0] is not None and refs[0] in layouts:
-        # split, unbind, chunk: every result is a new view of the storage viewed, in its dtype; the first says
-        return _results_of_one(layouts[refs[0]])
-    found: Callable[[int | None], Layout | None] = layouts.get  # type: ignore[assignment]  # get(None) is None
-    laid = list(map(found, refs))
-    if all(laid):  # a split's results, in C loops (a layout is true, None false)
-        return _Results(frozenset(map(_STORAGE, laid)), frozenset(map(_DTYPE, laid)), False)
+    first = layouts.get(refs[0]) if refs and refs[0] is not None else None
+    if first is not None and (len(refs) == 1 or (isinstance(op.func, OpOverload) and op.func.is_view)):
+        # one result (most operations), or a split's: each result of a view operation is a view of the storage it
+        # viewed, in its dtype, and the first tells for all (a split at N ranks makes N)
+        return _Results(frozenset((first.storage,)), frozenset((first.dtype,)), False)
+    laid = [layouts.get(ref) for ref in refs if ref is not None]
     known = [layout for layout in laid if layout is not None]
-    unlaid = len(known) != len(refs) - refs.count(None)
-    return _Results(frozenset(map(_STORAGE, known)), frozenset(map(_DTYPE, known)), unlaid)
-
-
-def _results_of_one(layout: Layout) -> _Results:
-    return _Results(frozenset((layout.storage,)), frozenset((layout.dtype,)), False)
-
-
-_STORAGE, _DTYPE = operator.attrgetter("storage"), operator.attrgetter("dtype")
-
-
-_NOTHING_LAID = _Results(frozenset(), frozenset(), False)
-_UNLAID = _Results(frozenset(), frozenset(), True)
+    return _Results(
+        frozenset(layout.storage for layout in known),
+        frozenset(layout.dtype for layout in known),
+        len(known) < len(laid),
+    )
 
 
 def _covered(spans: list[range], elements: int) -> bool:
