@@ -22,7 +22,9 @@ kernels draw serially, so eager code draws on one core):
   before the mark is reset.
 
 Each rank of a real job is a process of its own: before every timed materialization, the jumps' cache of powers
-(which a rank's identical layers share) is emptied, so that no rank profits from one measured before it. Times are
+(which a rank's identical layers share) is emptied, so that no rank profits from one measured before it; and before
+every timed run, eager construction included, the memory freed so far goes back to the system (``_timing.trim_heap``),
+so that what a run allocates is faulted in as in a fresh process, not reused from the run before. Times are
 wall-clock (the whole-model row spreads draws over threads); on a machine other jobs keep busy they vary by a
 factor of 2 or more from run to run, so the load average is printed with them.
 
