@@ -255,10 +255,17 @@ needs_speedups = pytest.mark.skipif(mt19937._speedups is None, reason="modattrs.
 @contextlib.contextmanager
 def jump_path(path: str) -> Iterator[None]:
     """Jumps by the C routines ("c") or by the torch path that runs without them ("torch"), with no power cached."""
-    kept = mt19937._speedups
-    if path == "c" and kept is None:
+    if path == "c" and mt19937._speedups is None:
         pytest.skip("modattrs._speedups is not built in this install")
-    mt19937._speedups = kept if path == "c" else None
+    with speedups_as(mt19937._speedups if path == "c" else None):
+        yield
+
+
+@contextlib.contextmanager
+def speedups_as(replacement: object) -> Iterator[None]:
+    """``mt19937``'s C routines replaced for the block, with no power cached before or after."""
+    kept = mt19937._speedups
+    mt19937._speedups = replacement  # type: ignore[assignment]
     mt19937._powers.clear()
     try:
         yield
@@ -467,14 +474,8 @@ class Forced:
 @contextlib.contextmanager
 def forced(twist: str | None = None, power: str | None = None) -> Iterator[None]:
     """Jumps by the C routines with those methods, with no power cached."""
-    kept = mt19937._speedups
-    mt19937._speedups = Forced(twist, power)  # type: ignore[assignment]
-    mt19937._powers.clear()
-    try:
+    with speedups_as(Forced(twist, power)):
         yield
-    finally:
-        mt19937._speedups = kept
-        mt19937._powers.clear()
 
 
 def exponent_bytes(exponent: int) -> bytes:
