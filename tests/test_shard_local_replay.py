@@ -213,7 +213,7 @@ MEMORY_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the resident set's high-water mark")
-def test_a_rank_never_holds_the_unsharded_parameter() -> None:
+def test_a_rank_holds_its_shard_alone_neither_the_unsharded_parameter_nor_a_second_copy_of_the_shard() -> None:
     environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-c", MEMORY_SCRIPT], env=environment, capture_output=True, text=True, timeout=300
@@ -222,14 +222,72 @@ def test_a_rank_never_holds_the_unsharded_parameter() -> None:
     growth_mib, shard_mib = map(float, done.stdout.split())
     parameter_mib = 4096 * 4096 * 4 / 2**20  # 64 MiB, the shard 8 MiB
     assert growth_mib < parameter_mib / 2, f"peak grew by {growth_mib:.1f} MiB for a {shard_mib:.1f} MiB shard"
-    assert growth_mib < 3 * shard_mib
+    # drawn straight into FSDP2's padded shard: not into a window first, then copied
+    assert growth_mib < 1.25 * shard_mib, f"peak grew by {growth_mib:.1f} MiB for a {shard_mib:.1f} MiB shard"
+
+
+class Carved(nn.Module):
+    """A part of a drawn tensor copied into a new one, as ``fully_shard`` does, with something in between."""
+
+    def __init__(self, between: str) -> None:
+        super().__init__()
+        whole = torch.empty(40, 3).normal_()
+        if between == "source not drawn":
+            whole = torch.ones(40, 3)  # the copy's source holds its factory's ones, not the host's zeros
+        if between == "float64 factory":
+            whole = torch.empty(40, 3, dtype=torch.float64).normal_()
+            torch.set_default_dtype(torch.float64)  # the factory's dtype comes from the default
+            host = torch.zeros(12, 3)
+            torch.set_default_dtype(torch.float32)
+        else:
+            host = whole.new_zeros(12, 3)
+        if between == "host written first":
+            host.add_(1.0)  # read and written before the copy: the drawn part must not be there yet
+        if between == "host read first":
+            self.register_buffer("sum_before", host.sum())
+        host[1:11].copy_(whole[10:20])  # not from the host's start: its first and last rows stay as they were
+        if between == "source written after":
+            whole.mul_(2.0)  # after the copy: written into the host, it would change the copied rows
+            self.register_buffer("later", whole[12:14].clone())
+        if between == "factory reads another tensor":
+            self.other = nn.Parameter(torch.empty(5).uniform_())
+            host = self.other.new_zeros(12, 3)
+            host[1:11].copy_(whole[10:20])
+        self.part = nn.Parameter(host)
+        self.after = nn.Parameter(torch.empty(9).uniform_())
+
+
+@pytest.mark.parametrize(
+    "between",
+    [
+        "nothing",
+        "source not drawn",
+        "float64 factory",
+        "host written first",
+        "host read first",
+        "source written after",
+        "factory reads another tensor",
+    ],
+)
+def test_a_part_of_a_draw_copied_into_another_tensor_is_eagers_whatever_touches_either_around_the_copy(
+    between: str,
+) -> None:
+    reference, state_after_eager = eager(lambda: Carved(between))
+    torch.manual_seed(0)
+    model = deferred_init(Carved, between)
+    materialize_module(model)
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+        assert model.state_dict()[name].dtype == tensor.dtype, name
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
 
 
 @pytest.mark.parametrize("op", ["normal_", "uniform_", "exponential_"])
 @pytest.mark.parametrize(("start", "stop"), [(0, 0), (3, 20), (16, 37), (0, 37), (36, 37)])
 @pytest.mark.parametrize("ahead", [0, 1000, 3_000_000])
+@pytest.mark.parametrize("into", [False, True], ids=["new tensor", "into out"])
 def test_a_part_drawn_from_an_earlier_state_is_the_parts_values_and_ends_where_the_whole_draw_does(
-    op: str, start: int, stop: int, ahead: int
+    op: str, start: int, stop: int, ahead: int, into: bool
 ) -> None:
     from modattrs._deferred import draws
     from modattrs._deferred.mt19937 import jumped_state
@@ -241,12 +299,37 @@ def test_a_part_drawn_from_an_earlier_state_is_the_parts_values_and_ends_where_t
     whole = getattr(torch.empty(37), op)(generator=eager_generator)
     pattern = draws.pattern(getattr(torch.ops.aten, op).default, (torch.empty(37, device="meta"),), {})
     assert pattern is not None
-    values, end, position = pattern.draw_with_end(earlier, start, stop, ahead=ahead)
+    host = torch.full((stop - start + 5,), 7.0)
+    out = host[3 : 3 + stop - start] if into else None  # not at the start of its storage
+    values, end, position = pattern.draw_with_end(earlier, start, stop, ahead=ahead, out=out)
     assert torch.equal(values, whole[start:stop])
+    if into and stop > start:
+        assert values.data_ptr() == host[3:].data_ptr()
+        assert torch.equal(host[:3], torch.full((3,), 7.0))
+        assert torch.equal(host[-2:], torch.full((2,), 7.0))
     if end is not None:  # the rest of the draw from there is the state after it
         assert torch.equal(jumped_state(end, pattern.outputs(before) - position), eager_generator.get_state())
     else:
         assert start == stop
+
+
+@pytest.mark.parametrize(
+    ("out", "message"),
+    [
+        (torch.empty(4, dtype=torch.float64), "expected: torch.float32, shape \\(4,\\)"),
+        (torch.empty(5), "got:      torch.float32, shape \\(5,\\)"),
+        (torch.empty(8)[::2], "stride \\(2,\\)"),
+        (torch.empty(4, device="meta"), "real strided CPU tensor"),
+    ],
+    ids=["dtype", "size", "stride", "meta"],
+)
+def test_drawing_into_a_tensor_that_cannot_hold_the_part_raises_before_drawing(out: torch.Tensor, message: str) -> None:
+    from modattrs._deferred import draws
+
+    pattern = draws.pattern(torch.ops.aten.normal_.default, (torch.empty(37, device="meta"),), {})
+    assert pattern is not None
+    with pytest.raises(ValueError, match=message):
+        pattern.draw_with_end(torch.Generator().get_state(), 3, 7, out=out)
 
 
 @pytest.fixture

@@ -246,28 +246,41 @@ class Pattern:
         return self.draw_with_end(state, start, stop, ahead=ahead)[0]
 
     def draw_with_end(
-        self, state: torch.Tensor, start: int, stop: int, *, ahead: int = 0
+        self, state: torch.Tensor, start: int, stop: int, *, ahead: int = 0, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """``draw``'s result, with where its last private generator stopped: its state, and how many outputs after
         the operation's first that is (``None, 0`` when nothing was drawn, and for ``PAIRS``, whose positions
         depend on the cached normal). A caller that goes on from there jumps a distance that repeats from one
-        identical layer to the next (a jump whose power of x is known, see ``mt19937``), not from ``state``."""
+        identical layer to the next (a jump whose power of x is known, see ``mt19937``), not from ``state``.
+
+        ``out``: a real 1-D CPU tensor of ``stop - start`` adjacent elements of the pattern's dtype, written with
+        the elements and returned (drawn into where the kernel's path allows, else copied) instead of a new one.
+        """
         self._check_range(start, stop, "draw")
         if not isinstance(ahead, int) or isinstance(ahead, bool) or ahead < 0:
             raise ValueError(f"Pattern.draw: `ahead` must be a non-negative int (outputs), got {ahead!r}")
+        if out is not None:
+            self._check_draw_out(out, stop - start)
         parts: list[torch.Tensor] = []
         end: tuple[torch.Generator | None, int] = (None, 0)
         if start < stop and self.kind == SERIAL:
-            scratch = torch.empty(stop - start, dtype=self.dtype, device="cpu")
+            scratch = torch.empty(stop - start, dtype=self.dtype, device="cpu") if out is None else out
             generator = _generator(jumped_state(state, ahead + self.per_draw * start))
             self.fill(scratch, generator)
             parts.append(scratch)
             end = generator, self.per_draw * stop
         elif start < stop and self.kind == BLOCKS:
-            end = self._draw_blocks(state, start, stop, ahead, parts)
+            end = self._draw_blocks(state, start, stop, ahead, parts, out)
         elif start < stop:  # a jump keeps the cached normal, which element 0 may be: jumped first
             parts.extend(self._draw_pairs(jumped_state(state, ahead) if ahead else state, start, stop))
-        if len(parts) == 1:
+        if out is not None:
+            taken = 0
+            for part in parts:
+                if part.data_ptr() != out.data_ptr() + taken * out.element_size():  # not drawn in place
+                    out[taken : taken + part.numel()].copy_(part)
+                taken += part.numel()
+            values = out
+        elif len(parts) == 1:
             values = parts[0]
         else:
             values = torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype, device="cpu")
@@ -346,9 +359,16 @@ class Pattern:
         return self.numel if self.tail_output is None else self.numel - _BLOCK
 
     def _draw_blocks(
-        self, state: torch.Tensor, start: int, stop: int, ahead: int, parts: list[torch.Tensor]
+        self,
+        state: torch.Tensor,
+        start: int,
+        stop: int,
+        ahead: int,
+        parts: list[torch.Tensor],
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Generator | None, int]:
-        """Append the parts of elements ``start:stop``; return the last generator used and its position."""
+        """Append the parts of elements ``start:stop``; return the last generator used and its position. The
+        blocks are drawn into ``out`` when they are exactly its first elements."""
         generator: torch.Generator | None = None
         position = 0  # outputs consumed by `generator` since the operation's first
         end = min(stop, self._tail_begin)
@@ -357,7 +377,10 @@ class Pattern:
             position = _BLOCK * self.per_draw * first
             generator = _generator(jumped_state(state, ahead + position))
             # whole blocks only, so that the scratch takes the block path without a tail of its own
-            scratch = torch.empty(_BLOCK * (last - first), dtype=self.dtype, device="cpu")
+            if out is not None and start == _BLOCK * first and end == _BLOCK * last:
+                scratch = out[: end - start]
+            else:
+                scratch = torch.empty(_BLOCK * (last - first), dtype=self.dtype, device="cpu")
             self.fill(scratch, generator)
             position = _BLOCK * self.per_draw * last
             parts.append(scratch[start - _BLOCK * first : end - _BLOCK * first])
@@ -460,6 +483,19 @@ class Pattern:
             )
         if out.is_neg() or out.is_conj():
             raise ValueError("Pattern.draw_into: `out` is a negated or conjugated view; pass the tensor itself")
+
+    def _check_draw_out(self, out: object, elements: int) -> None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"Pattern.draw: `out` must be a torch.Tensor, got {type(out).__name__}")
+        fake = isinstance(out, FakeTensor)
+        if fake or out.device.type != "cpu" or out.layout != torch.strided or out.is_neg() or out.is_conj():
+            raise ValueError("Pattern.draw writes into a real strided CPU tensor; pass one as `out`")
+        if out.dtype != self.dtype or out.shape != (elements,) or (elements > 1 and out.stride() != (1,)):
+            raise ValueError(
+                "Pattern.draw: `out` must hold the drawn elements, adjacent, in the pattern's dtype\n"
+                f"  expected: {self.dtype}, shape ({elements},), stride (1,)\n"
+                f"  got:      {out.dtype}, shape {tuple(out.shape)}, stride {out.stride()}"
+            )
 
     def _cached(self, state: torch.Tensor) -> int:
         """1 when the scalar path's first element is the normal cached in ``state``, else 0."""

@@ -85,6 +85,8 @@ def _run_kept(
     for window in (parts or {}).values():
         for index in window.roles:
             roles.setdefault(index, []).append(window)
+    if parts:
+        windows.prepare(ops, parts, unfilled, device, copies)
     for index in sorted(kept):
         op = ops[index]
         if op.default_dtype is not torch.get_default_dtype():
@@ -98,7 +100,7 @@ def _run_kept(
                 _run(op, env, wanted, device, copies, tensors=tensors, func=unfilled.get(index))
             for window in on:
                 if window.last == index:
-                    window.tensor = window.make = None  # what reads it holds views of it
+                    window.release()
         else:
             draws = walk.is_draw(index)
             if draws:

@@ -21,12 +21,37 @@ window is known, the replay allocates the window alone and runs those operations
 - *readers* (``copy_`` from a shard view, ``clone``, a conversion): run as usual on views of the window, which they
   lie in by construction.
 
+- *the copy into a host*: when the window's only reader is a ``copy_`` of all of it into a storage made whole by
+  a factory (FSDP2's padded shard, ``new_zeros``), the window is drawn straight into that storage, where the copy
+  would put it (see ``Note [Drawing into the padded shard]``).
+
 A storage touched by anything else (a write with a tensor source, an opaque initializer, a fill whose draws are
 not modelled, a view in another dtype, a change of geometry in place) is made whole, as before; so is one whose
 window would be all of it. The values in the window are those of the whole storage, bit for bit, so a shard
 replayed this way equals the slice of the eager tensor, and the unsharded parameter is never allocated: a rank's
-memory is its shards plus the window of the parameter at hand. A window is the span (hull) of what is read, so a
+memory is its shards plus the window of the parameter at hand (or its shards alone, when each window is drawn
+into its shard). A window is the span (hull) of what is read, so a
 strided shard (``RowwiseParallel``'s dim-1 cut) spans nearly all of its parameter and costs about as much.
+
+Note [Drawing into the padded shard]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``fully_shard`` copies a rank's rows of each parameter into a padded shard it makes with ``new_zeros``, and the
+sharded parameter is a view of that. Replayed as recorded, a rank would allocate and fill the window, then allocate
+the padded shard and copy the window into it: its memory is paid for twice, and written twice. When the copy is
+the window's only reader and writes all of it, contiguous, into a storage (the *host*) that a factory made whole,
+contiguous, from its start, the replay makes the host when the window's elements are first drawn, and the window
+is the part of the host the copy writes: the fill draws into it, the factory's result is the host made already,
+and the copy is not run. That gives the same values only when nothing tells the two apart, so the replay hosts a
+window only when
+
+- the first thing to write the window is a random fill that writes all of it (the host's own fill, which the
+  window's memory now holds, is never read);
+- the copy is the window's only reader (so nothing after it writes the window: the slice keeps a write only for
+  a later reader), and no target is on the window's storage (a target on it would see what later writes into
+  the host);
+- between the factory and the copy, the host is only viewed (nothing reads what the copy has not yet written);
+- the factory reads no tensor but the window's dtype and device (``new_zeros`` on the parameter), so it can run
+  early, as it would run at its own place.
 """
 
 from __future__ import annotations
@@ -87,6 +112,27 @@ class Role:
     ELEMENTWISE = "elementwise"  # a whole or partial elementwise write within the window
     OUTSIDE = "outside"  # a partial elementwise write outside the window: not run
     READ = "read"
+    HOST = "host"  # the factory of the storage the window is drawn into: gives it
+    COPIED = "copied"  # the copy of the window into its host: not run
+
+
+@dataclass
+class Host:
+    """The storage a window is drawn into (``Note [Drawing into the padded shard]``): made whole by the operation
+    at ``factory``, and written by the ``copy_`` at ``reader`` with all of the window, from element ``offset``."""
+
+    factory: int
+    reader: int
+    offset: int
+    make: Callable[[], torch.Tensor] | None = None  # the factory, run with stand-ins: see prepare
+    tensor: torch.Tensor | None = None  # the whole storage, once made
+
+    def whole(self) -> torch.Tensor:
+        """The host's storage, whole, made now if it is not yet."""
+        if self.tensor is None:
+            assert self.make is not None
+            self.tensor, self.make = self.make(), None
+        return self.tensor
 
 
 @dataclass
@@ -103,17 +149,33 @@ class Window:
     tensor: torch.Tensor | None = None  # the window's memory, once made
     make: Callable[[], torch.Tensor] | None = None  # its creator, run on the window's size: see memory
     empty: torch.Tensor | None = None  # its stand_in
+    host: Host | None = None  # the storage it is drawn into, if any
 
     def memory(self) -> torch.Tensor:
-        """The window's memory, made now if it is not yet. The creator runs only when something needs it before
-        a random fill writes all of it: the fill's result then is the window, not a copy (no second allocation)."""
-        if self.tensor is None:
+        """The window's memory, made now if it is not yet: its part of its host, or else its creator's result. The
+        creator runs only when something needs it before a random fill writes all of it: the fill's result then is
+        the window, not a copy (no second allocation)."""
+        if self.tensor is None and self.host is not None:
+            whole = self.host.whole()
+            self.tensor = whole.as_strided((self.stop - self.start,), (1,), whole.storage_offset() + self.host.offset)
+        elif self.tensor is None:
             assert self.make is not None
             self.tensor, self.make = self.make(), None
         return self.tensor
 
+    def destination(self) -> torch.Tensor | None:
+        """Where a random fill of all of the window draws its elements: its part of its host; None, into memory of
+        its own."""
+        return None if self.host is None else self.memory()
+
+    def release(self) -> None:
+        """Drop the window's memory (what still reads it holds views of it)."""
+        self.tensor = self.make = self.host = None
+
     def filled(self, values: torch.Tensor) -> None:
         """Write all of the window: ``values``, its elements."""
+        if values is self.tensor:
+            return  # drawn into it
         if self.tensor is None:
             # A draw's result may be a slice of its scratch memory; a single element may have any stride.
             self.tensor, self.make = (values if values.numel() < 2 or values.stride() == (1,) else values.clone()), None
@@ -173,7 +235,54 @@ def plan(
         window = _window(record, storage, indices, spans.get(storage, []), pattern_of, results)
         if window is not None:
             windows[storage] = window
+    for storage, window in windows.items():
+        if storage not in spans:
+            window.host = _host(record, window, touching, windows)
     return windows
+
+
+def _host(record: Record, window: Window, touching: Mapping[int, list[int]], windows: Container[int]) -> Host | None:
+    """The storage to draw ``window`` into, if it can be (``Note [Drawing into the padded shard]``), with the roles
+    of its factory and its copy set; else None. ``window``'s storage holds no target."""
+    ops, layouts = record.ops, record.layouts
+    roles = window.roles
+    reads = [index for index, role in roles.items() if role == Role.READ]
+    if len(reads) != 1 or window.start == window.stop:
+        return None
+    (reader,) = reads
+    copy = ops[reader]
+    if copy.func is not aten.copy_.default or len(copy.slots) != 2 or copy.constant_slots:
+        return None
+    destination, source = sorted(copy.slots, key=lambda slot: slot.index)
+    host = destination.storage
+    if destination.index != 0 or not destination.written or source.written or host == window.storage:
+        return None
+    if copy.out_refs != (destination.ref,) or copy.writes != {host} or host in windows:
+        return None
+    laid, read = layouts.get(destination.ref), layouts[source.ref]
+    if laid is None or not _laid_out(destination, layouts, window.dtype) or laid.size != read.size:
+        return None
+    if read.span != range(window.start, window.stop) or not _contiguous(read) or not _contiguous(laid):
+        return None  # the copy reads other than all of the window, or not in its order
+    touched = [role for _, role in sorted(roles.items()) if role not in (Role.CREATE, Role.VIEW, Role.METADATA)]
+    if touched[0] != Role.DRAW:
+        return None  # the window holds its creator's fill when the copy reads it, not the host's
+    factory, *between = touching[host]
+    made = _created(ops[factory], host, layouts)
+    if made is None or made.dtype != window.dtype:
+        return None
+    if any(slot.storage != window.storage for slot in ops[factory].slots) or ops[factory].constant_slots:
+        return None  # it reads other tensors than the window's, which may not be there yet
+    for index in between:
+        if index >= reader:
+            break
+        op = ops[index]
+        viewed = isinstance(op.func, OpOverload) and op.func.is_view and not op.writes and not op.reads
+        if not viewed and op.func is not torch.ops.prim.device.default:
+            return None
+    roles[factory] = Role.HOST
+    roles[reader] = Role.COPIED
+    return Host(factory, reader, laid.offset)
 
 
 def _window(
@@ -368,6 +477,39 @@ def create(op: Op, window: Window, arguments: tuple[Any, Any]) -> None:
     window.make = make
 
 
+def prepare(
+    ops: list[Op],
+    windows: Mapping[int, Window],
+    factories: Mapping[int, OpOverload],
+    device: torch.device | None,
+    copies: Copies,
+) -> None:
+    """Give each host its factory, to run whenever it is first needed: ``factories`` holds the factories to run
+    instead of those recorded (``new_empty`` for a ``new_zeros`` whose zeros nothing reads)."""
+    for window in windows.values():
+        if window.host is not None:
+            op = ops[window.host.factory]
+            window.host.make = functools.partial(
+                _run_factory, op, factories.get(window.host.factory), windows, device, copies
+            )
+
+
+def _run_factory(
+    op: Op, func: OpOverload | None, windows: Mapping[int, Window], device: torch.device | None, copies: Copies
+) -> torch.Tensor:
+    """A host's factory, run with stand-ins for the window it reads the dtype and device of, in the default dtype
+    it ran in."""
+    args, kwargs = op.arguments(window_arguments(op, windows, {}), device, copies=copies)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(op.default_dtype)
+    try:
+        made = (func or op.func)(*args, **kwargs)
+    finally:
+        torch.set_default_dtype(before)
+    assert isinstance(made, torch.Tensor)
+    return made
+
+
 def run(
     op: Op,
     index: int,
@@ -394,12 +536,22 @@ def run(
             if not span or (span.start >= start and span.stop <= stop):
                 env[ref] = window.view(layout)
         return True
-    if Role.OUTSIDE in roles:
+    if Role.OUTSIDE in roles or Role.COPIED in roles:
+        return True
+    if Role.HOST in roles:
+        (window,) = on
+        assert window.host is not None
+        (ref,) = op.out_refs
+        if ref is not None and ref in wanted:
+            env[ref] = window.host.whole()
         return True
     if Role.DRAW in roles:
         (window,) = on
         state, ahead = walk.ahead_of(index)
-        values, end, position = window.patterns[index].draw_with_end(state, window.start, window.stop, ahead=ahead)
+        pattern = window.patterns[index]
+        values, end, position = pattern.draw_with_end(
+            state, window.start, window.stop, ahead=ahead, out=window.destination()
+        )
         window.filled(values)
         walk.drew_part(index, end, position)
         return True
