@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from modattrs._deferred.record import Draws, Op, plain_call
+from modattrs._deferred.record import NO_RESULTS, Draws, Op, plain_call
 from modattrs._torch_private import tree_flatten, tree_unflatten
 
 leaves = st.one_of(
@@ -42,9 +42,11 @@ def recorded(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Op:
         in_refs=frozenset(),
         reads=frozenset(),
         out_refs=(),
+        results=NO_RESULTS,
         writes=frozenset(),
         value_writer=False,
         overwrites=frozenset(),
+        touched=frozenset(),
         draws=Draws.NONE,
         device=None,
         reset=None,

@@ -13,7 +13,7 @@ import enum
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import torch
 
@@ -99,6 +99,34 @@ class Constant:
 Copies = dict[int, torch.UntypedStorage]
 
 
+class Results(NamedTuple):
+    """Where the tensors an operation returned lie, by the record's layouts: noted once, when it is recorded, for
+    every replay's windows (``windows``) to read (a ``split`` at N ranks returns N tensors)."""
+
+    storages: frozenset[int]  # of those the record knows the layout of
+    dtypes: frozenset[torch.dtype]  # of those
+    unlaid: bool  # whether the record knows no layout for one of them
+
+
+NO_RESULTS = Results(frozenset(), frozenset(), False)
+
+
+def results_of(func: object, out_refs: Sequence[int | None], layouts: Mapping[int, Layout]) -> Results:
+    """The ``Results`` of an operation ``func`` that returned the tensors ``out_refs``."""
+    first = layouts.get(out_refs[0]) if out_refs and out_refs[0] is not None else None
+    if first is not None and (len(out_refs) == 1 or (isinstance(func, OpOverload) and func.is_view)):
+        # one result (most operations), or a split's: each result of a view operation is a view of the storage it
+        # viewed, in its dtype, and the first tells for all
+        return Results(frozenset((first.storage,)), frozenset((first.dtype,)), False)
+    laid = [layouts.get(ref) for ref in out_refs if ref is not None]
+    known = [layout for layout in laid if layout is not None]
+    return Results(
+        frozenset(layout.storage for layout in known),
+        frozenset(layout.dtype for layout in known),
+        len(known) < len(laid),
+    )
+
+
 @dataclass(slots=True)
 class Op:
     """One recorded call: an aten operation, or an opaque initializer (a Python function)."""
@@ -113,11 +141,13 @@ class Op:
     in_refs: frozenset[int]
     reads: frozenset[int]  # storages whose values it reads (a view reads none; an overwrite not its target)
     out_refs: tuple[int | None, ...]  # one per leaf of the result; None for leaves that are not tensors
+    results: Results  # where those lie
     writes: frozenset[int]  # storages written in place
     # Writes values into its first argument, whatever it held, and returns it unchanged otherwise (``normal_``,
     # ``fill_``, ``copy_``, opaque initializers): the tensor it returns is not made by it.
     value_writer: bool
     overwrites: frozenset[int]  # storages it writes whole, as a value writer: earlier writes to them are dead
+    touched: frozenset[int]  # the storages of its tensor arguments and results, and those it writes
     draws: Draws
     device: torch.device | None  # where it ran: the device of its result, or of what it wrote
     reset: Position | None  # for draws: where the default CPU generator was set to before it (see generator)

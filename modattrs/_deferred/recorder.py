@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from modattrs._deferred import generator
 from modattrs._deferred.record import (
+    NO_RESULTS,
     Constant,
     DeferredInitError,
     Draws,
@@ -38,6 +39,7 @@ from modattrs._deferred.record import (
     Record,
     Slot,
     plain_call,
+    results_of,
     scratch_arguments,
 )
 from modattrs._deferred.replay import state_after
@@ -192,9 +194,11 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                     in_refs=frozenset(),
                     reads=frozenset(),
                     out_refs=(),
+                    results=NO_RESULTS,
                     writes=frozenset(),
                     value_writer=False,
                     overwrites=frozenset(),
+                    touched=frozenset(),
                     draws=Draws.DEFAULT,
                     device=torch.device("cpu"),
                     reset=reset,
@@ -312,6 +316,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
     def _finish(self, pending: _Pending, result: Any) -> None:
         """Name the results, then append the operation, noting what it drew from."""
         out_refs, writes, device = self._name_results(pending, result)
+        results = results_of(pending.func, out_refs, self.record.layouts)
         op = Op(
             func=pending.func,
             flat=pending.flat,
@@ -324,9 +329,11 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             in_refs=frozenset(slot.ref for slot in pending.slots),
             reads=_reads(pending),
             out_refs=out_refs,
+            results=results,
             writes=writes,
             value_writer=pending.value_writer,
             overwrites=pending.overwrites,
+            touched=results.storages.union(writes, [slot.storage for slot in pending.slots]),
             draws=pending.draws,
             device=device,
             reset=None,

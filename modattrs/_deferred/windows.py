@@ -60,7 +60,7 @@ import functools
 import math
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -213,12 +213,8 @@ def plan(
         return {}
     ops, layouts = record.ops, record.layouts
     touching: dict[int, list[int]] = {}
-    results: dict[int, _Results] = {}
     for index in sorted(kept):
-        op = ops[index]
-        results[index] = made = _results_of(op, layouts)
-        storages = made.storages.union(op.writes, [slot.storage for slot in op.slots])
-        for storage in storages:
+        for storage in ops[index].touched:
             touching.setdefault(storage, []).append(index)
     spans: dict[int, list[range]] = {}
     whole: set[int] = set()  # storages a target holds in a layout the record does not know
@@ -232,7 +228,7 @@ def plan(
     for storage, indices in touching.items():
         if storage in whole:
             continue
-        window = _window(record, storage, indices, spans.get(storage, []), pattern_of, results)
+        window = _window(record, storage, indices, spans.get(storage, []), pattern_of)
         if window is not None:
             windows[storage] = window
     for storage, window in windows.items():
@@ -291,7 +287,6 @@ def _window(
     indices: list[int],
     target_spans: list[range],
     pattern_of: Callable[[int], draws.Pattern | None],
-    results: Mapping[int, _Results],
 ) -> Window | None:
     ops, layouts = record.ops, record.layouts
     whole = _created(ops[indices[0]], storage, layouts)
@@ -310,7 +305,7 @@ def _window(
         func = op.func
         if not isinstance(func, OpOverload):
             return None  # an opaque initializer: its effect on a part is unknown
-        made = results[index]
+        made = op.results
         written = [slot for slot in on if slot.written]
         if not written and storage not in op.writes:
             if func.is_view and not made.unlaid and made.storages <= {storage}:
@@ -350,30 +345,6 @@ def _window(
             continue
         return None  # straddles the window's edge
     return Window(storage, whole.dtype, start, stop, roles, indices[-1], patterns=patterns)
-
-
-class _Results(NamedTuple):  # made once per kept operation: a tuple is the cheapest to make
-    """Where the tensors an operation returns lie: once per operation, as ``split`` returns one per rank."""
-
-    storages: frozenset[int]  # of those the record knows the layout of
-    dtypes: frozenset[torch.dtype]  # of those
-    unlaid: bool  # whether the record knows no layout for one of them
-
-
-def _results_of(op: Op, layouts: Mapping[int, Layout]) -> _Results:
-    refs = op.out_refs
-    first = layouts.get(refs[0]) if refs and refs[0] is not None else None
-    if first is not None and (len(refs) == 1 or (isinstance(op.func, OpOverload) and op.func.is_view)):
-        # one result (most operations), or a split's: each result of a view operation is a view of the storage it
-        # viewed, in its dtype, and the first tells for all (a split at N ranks makes N)
-        return _Results(frozenset((first.storage,)), frozenset((first.dtype,)), False)
-    laid = [layouts.get(ref) for ref in refs if ref is not None]
-    known = [layout for layout in laid if layout is not None]
-    return _Results(
-        frozenset(layout.storage for layout in known),
-        frozenset(layout.dtype for layout in known),
-        len(known) < len(laid),
-    )
 
 
 def _covered(spans: list[range], elements: int) -> bool:
@@ -501,11 +472,14 @@ def _run_factory(
     it ran in."""
     args, kwargs = op.arguments(window_arguments(op, windows, {}), device, copies=copies)
     before = torch.get_default_dtype()
-    torch.set_default_dtype(op.default_dtype)
-    try:
+    if before is op.default_dtype:
         made = (func or op.func)(*args, **kwargs)
-    finally:
-        torch.set_default_dtype(before)
+    else:
+        torch.set_default_dtype(op.default_dtype)
+        try:
+            made = (func or op.func)(*args, **kwargs)
+        finally:
+            torch.set_default_dtype(before)
     assert isinstance(made, torch.Tensor)
     return made
 
@@ -516,7 +490,7 @@ def run(
     on: list[Window],
     windows: Mapping[int, Window],
     env: dict[int, torch.Tensor],
-    wanted: Container[int],
+    wanted: set[int],
     device: torch.device | None,
     copies: Copies,
     walk: generator.Walk,
@@ -528,11 +502,9 @@ def run(
     if Role.VIEW in roles:
         (window,) = on
         start, stop = window.start, window.stop
-        for ref in op.out_refs:
-            if ref is None or ref not in wanted:  # a split's results but this rank's
-                continue
+        for ref in wanted.intersection(op.out_refs):  # of a split's N results, this rank's
             layout = layouts[ref]
-            span = layout.span  # within the window (as _within, inline: a split at N ranks makes N)
+            span = layout.span
             if not span or (span.start >= start and span.stop <= stop):
                 env[ref] = window.view(layout)
         return True
@@ -541,9 +513,9 @@ def run(
     if Role.HOST in roles:
         (window,) = on
         assert window.host is not None
-        (ref,) = op.out_refs
-        if ref is not None and ref in wanted:
-            env[ref] = window.host.whole()
+        (host,) = op.out_refs
+        if host is not None and host in wanted:
+            env[host] = window.host.whole()
         return True
     if Role.DRAW in roles:
         (window,) = on
@@ -566,10 +538,7 @@ def run(
         return True
     if Role.CREATE in roles:
         made = next(window for window in on if window.roles[index] == Role.CREATE)
-        create(op, made, op.arguments(window_arguments(op, windows, env), device, copies=copies))
+        if made.host is None:  # else the window is its host's memory: see memory
+            create(op, made, op.arguments(window_arguments(op, windows, env), device, copies=copies))
         return True
     return False
-
-
-def _within(span: range, window: Window) -> bool:
-    return not span or (span.start >= window.start and span.stop <= window.stop)
