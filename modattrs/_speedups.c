@@ -901,6 +901,32 @@ static int mt_count_ones(const unsigned char *c) {
     return count;
 }
 
+/* mt19937_twisted's scratch memory, the larger of what its two families of methods use: the stream's words and the
+ * ones of c (words), or the bit planes and the array's words (carry-less). */
+#define MT_BY_WORDS_BYTES (MT_STREAM * sizeof(uint32_t) + MT_DEGREE * sizeof(uint16_t))
+#define MT_BY_CLMUL_BYTES (32 * MT_ROWS * sizeof(uint64_t) + MT_N * sizeof(uint32_t))
+#define MT_SCRATCH_BYTES (MT_BY_WORDS_BYTES > MT_BY_CLMUL_BYTES ? MT_BY_WORDS_BYTES : MT_BY_CLMUL_BYTES)
+
+/* One block of scratch memory kept from one call to the next. Allocated afresh, its 120 KB cost each jump 30 to 40 us
+ * more (the jump takes 20) in a replay, which fills large tensors between its jumps: memory at a new address, cold in
+ * the caches and the TLB, or to be faulted in. It is taken and given back with the GIL held, so calls running at once
+ * in other threads allocate their own. */
+static void *mt_spare_scratch;
+
+static void *mt_scratch_take(void) {
+    void *block = mt_spare_scratch;
+    mt_spare_scratch = NULL;
+    return block != NULL ? block : PyMem_Malloc(MT_SCRATCH_BYTES);
+}
+
+static void mt_scratch_give(void *block) {
+    if (mt_spare_scratch == NULL) {
+        mt_spare_scratch = block;
+    } else {
+        PyMem_Free(block);
+    }
+}
+
 static PyObject *mt19937_twisted(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 && nargs != 3) {
         PyErr_Format(PyExc_TypeError,
@@ -922,9 +948,7 @@ static PyObject *mt19937_twisted(PyObject *Py_UNUSED(module), PyObject *const *a
         return NULL;
     }
     PyObject *result = NULL;
-    uint32_t *w = NULL;
-    uint16_t *ones = NULL;
-    uint64_t *planes = NULL;
+    char *scratch = NULL;
     if (array.len != MT_N * 8 || coefficients.len != MT_POLY_BYTES) {
         PyErr_Format(PyExc_ValueError,
                      "mt19937_twisted: expected an array of %d bytes and coefficients of %d bytes, got %zd and %zd",
@@ -936,16 +960,14 @@ static PyObject *mt19937_twisted(PyObject *Py_UNUSED(module), PyObject *const *a
         int best = mt_best(mt_twist_supported, MT_TWIST_METHODS);
         method = mt_count_ones(c) < mt_words_below[best] ? MT_BY_WORDS : best;
     }
-    w = PyMem_Malloc((method == MT_BY_WORDS ? MT_STREAM : MT_N) * sizeof(uint32_t));
-    if (method == MT_BY_WORDS) {
-        ones = PyMem_Malloc(MT_DEGREE * sizeof(uint16_t));
-    } else {
-        planes = PyMem_Malloc(32 * MT_ROWS * sizeof(uint64_t));
-    }
-    if (w == NULL || (ones == NULL && planes == NULL)) {
+    scratch = mt_scratch_take();
+    if (scratch == NULL) {
         PyErr_NoMemory();
         goto done;
     }
+    /* words: w[MT_STREAM], then ones; carry-less: the planes (8-byte words first, aligned as malloc aligns), then w */
+    uint32_t *w = method == MT_BY_WORDS ? (uint32_t *)scratch : (uint32_t *)(scratch + 32 * MT_ROWS * sizeof(uint64_t));
+    uint16_t *ones = (uint16_t *)(scratch + MT_STREAM * sizeof(uint32_t));
     unsigned char *words = array.buf; /* the state's array: uint64 words in native byte order, 32-bit values */
     Py_BEGIN_ALLOW_THREADS
     for (int n = 0; n < MT_N; n++) {
@@ -961,7 +983,7 @@ static PyObject *mt19937_twisted(PyObject *Py_UNUSED(module), PyObject *const *a
     }
 #ifdef MT_X86
     else {
-        uint64_t reversed[MT_WORDS], results[32 * MT_OUT];
+        uint64_t reversed[MT_WORDS], results[32 * MT_OUT], *planes = (uint64_t *)scratch;
         mt_reversed(c, reversed);
         mt_head_planes(w, planes);
         if (method == MT_BY_CLMUL512) {
@@ -981,9 +1003,9 @@ static PyObject *mt19937_twisted(PyObject *Py_UNUSED(module), PyObject *const *a
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
-    PyMem_Free(w);
-    PyMem_Free(ones);
-    PyMem_Free(planes);
+    if (scratch != NULL) {
+        mt_scratch_give(scratch);
+    }
     PyBuffer_Release(&array);
     PyBuffer_Release(&coefficients);
     return result;
