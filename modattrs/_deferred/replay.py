@@ -129,7 +129,7 @@ def _dead_fills(ops: list[Op], kept: set[int], layouts: Mapping[int, Layout]) ->
     dead: dict[int, OpOverload] = {}
     for index in sorted(kept):
         op = ops[index]
-        touched = () if not filled else {slot.storage for slot in op.slots} | op.writes
+        touched = () if not filled else op.touched  # a result on a storage of its own is not filled yet
         for storage in filled.keys() & touched:
             factory = filled.pop(storage)
             neutral = isinstance(op.func, OpOverload) and op.func.is_view and not op.writes
