@@ -19,8 +19,7 @@ window is known, the replay allocates the window alone and runs those operations
 - *partial writes* of that elementwise kind (``weight[padding_idx].zero_()``) run on the window when their span
   lies within it, and not at all when it lies outside;
 - *readers* (``copy_`` from a shard view, ``clone``, a conversion): run as usual on views of the window, which they
-  lie in by construction.
-
+  lie in by construction;
 - *the copy into a host*: when the window's only reader is a ``copy_`` of all of it into a storage made whole by
   a factory (FSDP2's padded shard, ``new_zeros``), the window is drawn straight into that storage, where the copy
   would put it (see ``Note [Drawing into the padded shard]``).
@@ -30,8 +29,8 @@ not modelled, a view in another dtype, a change of geometry in place) is made wh
 window would be all of it. The values in the window are those of the whole storage, bit for bit, so a shard
 replayed this way equals the slice of the eager tensor, and the unsharded parameter is never allocated: a rank's
 memory is its shards plus the window of the parameter at hand (or its shards alone, when each window is drawn
-into its shard). A window is the span (hull) of what is read, so a
-strided shard (``RowwiseParallel``'s dim-1 cut) spans nearly all of its parameter and costs about as much.
+into its shard). A window is the span (hull) of what is read, so a strided shard (``RowwiseParallel``'s dim-1
+cut) spans nearly all of its parameter and costs about as much.
 
 Note [Drawing into the padded shard]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
