@@ -271,6 +271,8 @@ class Record:
     storages: dict[int, torch.UntypedStorage] = field(default_factory=dict)  # kept alive: addresses stay unique
     next_ref: int = 0
     layouts: dict[int, Layout] = field(default_factory=dict)  # ref -> where the operation that made it put it
+    devices: set[torch.device] = field(default_factory=set)  # of the operations' tensor and device arguments
+    collectives: list[int] = field(default_factory=list)  # the operations that are collectives, in order
     root: weakref.ref[torch.nn.Module] | None = None  # what deferred_init returned
     # Per replay device ("" for the recorded devices): the CPU generator's state after the first n operations,
     # remembered by replays that passed there, so that later ones start from the nearest one (see generator).

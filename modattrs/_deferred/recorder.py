@@ -42,7 +42,7 @@ from modattrs._deferred.record import (
     results_of,
     scratch_arguments,
 )
-from modattrs._deferred.replay import state_after
+from modattrs._deferred.replay import is_collective, state_after
 from modattrs._fake import cuda_guard
 from modattrs._fake.mode import CONSTANT_LIMIT, ModattrsFakeTensorMode
 from modattrs._names import callable_name, where
@@ -351,14 +351,24 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             _advance(op, dict(pending.generators))  # so the generator object ends where eager code leaves it
         elif pending.draws is Draws.DEFAULT and device is not None and device.type == "cpu":
             op.reset = generator.reset_before_draw(self.record)
-            self.record.ops.append(op)
+            self._append(op)
             generator.drew(self.record)
             if not recording_in_this_thread():  # initialization of a deferred module: as eager code draws, now
                 generator.settle(self.record, state_after)
             return
         elif pending.draws is Draws.DEFAULT:
             op.reset = generator.reset_for_other_device(self.record)
-        self.record.ops.append(op)
+        self._append(op)
+
+    def _append(self, op: Op) -> None:
+        """Append ``op`` to the record, noting the devices it names and whether it is a collective, which replays
+        check for (``replay._check_devices``, ``replay._refuse_collectives``) without a pass over the record."""
+        record = self.record
+        record.devices.update([slot.device for slot in op.slots])
+        record.devices.update([op.flat[position] for position in op.device_slots])
+        if is_collective(op.func):
+            record.collectives.append(len(record.ops))
+        record.ops.append(op)
 
     def _name_results(
         self, pending: _Pending, result: Any

@@ -45,8 +45,8 @@ def replay(
     """
     with generator.replaying(record, device, state_after, to_end=to_end) as walk:
         kept = _slice(record.ops, targets)
-        _check_devices(record.ops, kept, device)
-        _refuse_collectives(record.ops, kept, targets, labels)
+        _check_devices(record, kept, device)
+        _refuse_collectives(record, kept, targets, labels)
         env: dict[int, torch.Tensor] = {}
         parts = windows.plan(record, kept, targets, walk.pattern_of, device)
         _run_kept(record.ops, kept, targets, env, device, walk, threads, parts, record.layouts)
@@ -175,7 +175,10 @@ def _last_uses(ops: list[Op], kept: set[int], targets: Mapping[int, int]) -> tup
     return frees, last_use.keys() | targets.keys()
 
 
-def _check_devices(ops: list[Op], kept: Iterable[int], device: torch.device | None) -> None:
+def _check_devices(record: Record, kept: Iterable[int], device: torch.device | None) -> None:
+    if device is None and all(named.type in ("cpu", "meta") for named in record.devices):
+        return  # a record of CPU and meta tensors replays where it was recorded: nothing to check
+    ops = record.ops
     devices: set[torch.device] = set()
     if device is not None:
         devices.add(device)
@@ -215,7 +218,7 @@ def _check_devices(ops: list[Op], kept: Iterable[int], device: torch.device | No
 
 
 def _refuse_collectives(
-    ops: list[Op], kept: Iterable[int], targets: Mapping[int, int], labels: Mapping[int, str]
+    record: Record, kept: Container[int], targets: Mapping[int, int], labels: Mapping[int, str]
 ) -> None:
     """Raise if what is needed depends on a collective (a scatter, a broadcast) that ran on fake tensors.
 
@@ -224,10 +227,10 @@ def _refuse_collectives(
     materializes on its own, what and when it chooses, so the other ranks would not be there to answer. Every rank
     slices alike, so all of them raise.
     """
-    for index in sorted(kept):
-        op = ops[index]
-        if not _is_collective(op.func):
+    for index in record.collectives:
+        if index not in kept:
             continue
+        op = record.ops[index]
         # c10d's schemas do not mark the tensors they fill as written: they are results with their argument's ref.
         filled = op.writes | {slot.storage for slot in op.slots if slot.ref in op.out_refs}
         label = next((labels[ref] for ref, storage in targets.items() if storage in filled), None)
@@ -242,7 +245,7 @@ def _refuse_collectives(
         )
 
 
-def _is_collective(func: object) -> bool:
+def is_collective(func: object) -> bool:
     return isinstance(func, OpOverload) and _in_collective_namespace(func)
 
 
