@@ -466,13 +466,8 @@ class Pattern:
             return self._fill_range(out, state, start, stop)
 
     def _check_out(self, out: object) -> None:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"Pattern.draw_into: `out` must be a torch.Tensor, got {type(out).__name__}")
-        if isinstance(out, FakeTensor) or out.device.type != "cpu" or out.layout != torch.strided:
-            kind = "fake" if isinstance(out, FakeTensor) else f"{out.layout} {out.device}"
-            raise ValueError(
-                f"Pattern.draw_into writes into a real strided CPU tensor; `out` is a {kind} tensor: pass a CPU one"
-            )
+        _check_real_out(out, "draw_into")
+        assert isinstance(out, torch.Tensor)
         strides = [(size, stride) for size, stride in zip(self.shape, self.strides, strict=True) if size != 1]
         got = [(size, stride) for size, stride in zip(out.shape, out.stride(), strict=True) if size != 1]
         if out.dtype != self.dtype or tuple(out.shape) != self.shape or (self.numel and got != strides):
@@ -481,15 +476,10 @@ class Pattern:
                 f"dtype, shape and strides\n  expected: {self.dtype}, shape {self.shape}, strides {self.strides}\n"
                 f"  got:      {out.dtype}, shape {tuple(out.shape)}, strides {out.stride()}"
             )
-        if out.is_neg() or out.is_conj():
-            raise ValueError("Pattern.draw_into: `out` is a negated or conjugated view; pass the tensor itself")
 
     def _check_draw_out(self, out: object, elements: int) -> None:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"Pattern.draw: `out` must be a torch.Tensor, got {type(out).__name__}")
-        fake = isinstance(out, FakeTensor)
-        if fake or out.device.type != "cpu" or out.layout != torch.strided or out.is_neg() or out.is_conj():
-            raise ValueError("Pattern.draw writes into a real strided CPU tensor; pass one as `out`")
+        _check_real_out(out, "draw")
+        assert isinstance(out, torch.Tensor)
         if out.dtype != self.dtype or out.shape != (elements,) or (elements > 1 and out.stride() != (1,)):
             raise ValueError(
                 "Pattern.draw: `out` must hold the drawn elements, adjacent, in the pattern's dtype\n"
@@ -514,6 +504,20 @@ class Pattern:
                 f"Pattern.{caller}: the range is not within the result of {self.numel} elements; pass "
                 f"0 <= start <= stop <= {self.numel}\n  got: start={start}, stop={stop}"
             )
+
+
+def _check_real_out(out: object, caller: str) -> None:
+    """Raise unless ``out`` is a real strided CPU tensor, neither negated nor conjugated: what ``Pattern.{caller}``
+    writes into."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"Pattern.{caller}: `out` must be a torch.Tensor, got {type(out).__name__}")
+    if isinstance(out, FakeTensor) or out.device.type != "cpu" or out.layout != torch.strided:
+        kind = "fake" if isinstance(out, FakeTensor) else f"{out.layout} {out.device}"
+        raise ValueError(
+            f"Pattern.{caller} writes into a real strided CPU tensor; `out` is a {kind} tensor: pass a CPU one"
+        )
+    if out.is_neg() or out.is_conj():
+        raise ValueError(f"Pattern.{caller}: `out` is a negated or conjugated view; pass the tensor itself")
 
 
 def pattern(op: object, args: Sequence[object], kwargs: Mapping[str, object] | None = None) -> Pattern | None:

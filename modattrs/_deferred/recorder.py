@@ -181,7 +181,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             reset = generator.reset_before_draw(self.record)
             if reset is None:
                 return
-            self.record.ops.append(
+            self._append(
                 Op(
                     func=_no_draw,
                     flat=[],

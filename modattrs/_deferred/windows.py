@@ -118,10 +118,9 @@ class Role:
 @dataclass
 class Host:
     """The storage a window is drawn into (``Note [Drawing into the padded shard]``): made whole by the operation
-    at ``factory``, and written by the ``copy_`` at ``reader`` with all of the window, from element ``offset``."""
+    at ``factory``; the window is its elements from ``offset`` on."""
 
     factory: int
-    reader: int
     offset: int
     make: Callable[[], torch.Tensor] | None = None  # the factory, run with stand-ins: see prepare
     tensor: torch.Tensor | None = None  # the whole storage, once made
@@ -277,7 +276,7 @@ def _host(record: Record, window: Window, touching: Mapping[int, list[int]], win
             return None
     roles[factory] = Role.HOST
     roles[reader] = Role.COPIED
-    return Host(factory, reader, laid.offset)
+    return Host(factory, laid.offset)
 
 
 def _window(
@@ -468,17 +467,11 @@ def _run_factory(
     op: Op, func: OpOverload | None, windows: Mapping[int, Window], device: torch.device | None, copies: Copies
 ) -> torch.Tensor:
     """A host's factory, run with stand-ins for the window it reads the dtype and device of, in the default dtype
-    it ran in."""
+    it ran in (set as the replay sets it for every operation; ``generator.replaying`` puts it back at the end)."""
     args, kwargs = op.arguments(window_arguments(op, windows, {}), device, copies=copies)
-    before = torch.get_default_dtype()
-    if before is op.default_dtype:
-        made = (func or op.func)(*args, **kwargs)
-    else:
+    if op.default_dtype is not torch.get_default_dtype():
         torch.set_default_dtype(op.default_dtype)
-        try:
-            made = (func or op.func)(*args, **kwargs)
-        finally:
-            torch.set_default_dtype(before)
+    made = (func or op.func)(*args, **kwargs)
     assert isinstance(made, torch.Tensor)
     return made
 
