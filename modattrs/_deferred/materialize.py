@@ -29,6 +29,7 @@ from modattrs._torch_private import (
     release_rnn_weights,
     restore_hooks,
     rnn_flat_weights,
+    torch_tensor_fields,
     use_count,
     view_base_of,
 )
@@ -80,7 +81,7 @@ def _replay_and_swap(
             _add_aliases(tensors, mode, recorded_root, walked=full and recorded_root is module)
             if recorded_root is not module:
                 scope.extend(recorded_root.modules())
-    refs = {key: ref_of(label, tensor) for _, tensors in groups.values() for key, (label, tensor) in tensors.items()}
+    refs = {key: refs_of(label, tensor) for _, tensors in groups.values() for key, (label, tensor) in tensors.items()}
     everything = [entry for _, tensors in groups.values() for entry in tensors.values()]
     with _recurrent_weights_released(scope, everything):
         _check_swappable(everything)
@@ -88,11 +89,11 @@ def _replay_and_swap(
         swaps: list[tuple[str, FakeTensor, Tensor]] = []
         try:
             for mode, tensors in groups.values():
-                targets = {refs[key]: mode.storage_of(tensor) for key, (_, tensor) in tensors.items()}
-                labels = {refs[key]: label for key, (label, _) in tensors.items()}
+                targets = dict(refs[key] for key in tensors)
+                labels = {refs[key][0]: label for key, (label, _) in tensors.items()}
                 reals = replay(mode.record, targets, labels, device=device, to_end=mode is root_mode, threads=threads)
                 for key, (label, tensor) in tensors.items():
-                    swaps.append((label, tensor, _real_twin(label, tensor, reals[refs[key]], device)))
+                    swaps.append((label, tensor, _real_twin(label, tensor, reals[refs[key][0]], device)))
         except BaseException:
             torch.default_generator.set_state(saved)
             raise
@@ -237,7 +238,8 @@ def _real_twin(label: str, fake: FakeTensor, real: Tensor, device: torch.device 
         twin = nn.Parameter(real, requires_grad=fake.requires_grad)
     else:  # a graph is not replayed: a tensor that had one comes back as its value, a leaf
         twin = real.detach().requires_grad_(fake.requires_grad and fake.is_leaf)
-    vars(twin).update(user_attributes(fake))
+    if not vars(fake).keys() <= torch_tensor_fields():  # most tensors have no attribute of the user's
+        vars(twin).update(user_attributes(fake))
     return twin
 
 
@@ -254,10 +256,15 @@ def recording_mode(tensor: object) -> RecordingFakeTensorMode | None:
 
 
 def ref_of(label: str, tensor: FakeTensor) -> int:
+    return refs_of(label, tensor)[0]
+
+
+def refs_of(label: str, tensor: FakeTensor) -> tuple[int, int]:
+    """The ref of a chosen fake tensor (``label`` names it in errors) and its storage, in its record."""
     mode = recording_mode(tensor)
     if mode is None:
         raise _not_recorded(label)
-    ref = mode.ref_of(tensor)
+    ref, storage = mode.ref_and_storage_of(tensor)
     if ref is None and tensor.untyped_storage().device.type != "meta":
         raise DeferredInitError(
             f"{label} had its data replaced by a real tensor (`.data = real`), which no operation records.\n"
@@ -270,7 +277,7 @@ def ref_of(label: str, tensor: FakeTensor) -> int:
             "It was likely built from another fake tensor without a torch operation (torch.Tensor._make_subclass).\n"
             "Make it with torch operations"
         )
-    return ref
+    return ref, storage
 
 
 def _not_recorded(label: str) -> DeferredInitError:

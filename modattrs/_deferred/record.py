@@ -80,6 +80,9 @@ class Slot:
     dtype: torch.dtype
     device: torch.device
     written: bool
+    # Whether it sits where its ref's layout says (in its storage, sizes, strides and dtype: slots hold no offsets);
+    # not so for a ref whose geometry changed in place (``set_``, ``resize_``).
+    laid: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +159,8 @@ class Op:
     # How ``flat`` splits into the arguments when each is a leaf or a list of leaves, as for aten calls (see
     # ``plain_call``); else None, and ``spec`` says.
     plain: Plain | None = None
+    # The arguments as called, fake tensors left None, when they need no more than those put in (see ``call_of``).
+    call: Call | None = None
 
     @property
     def name(self) -> str:
@@ -177,6 +182,13 @@ class Op:
         opaque one may) or where the replay copied it before; devices replaced by ``device`` if given, generators by
         ``generators`` or by copies at their recorded state. The real tensors it hands over unchanged may come back
         in the results: see :func:`private_results`."""
+        call = self.call
+        if call is not None and not generators and (device is None or not self.device_slots):
+            # Most operations of a replay (the views and splits of FSDP2's sharding) take this way.
+            arguments = list(call.args)
+            for position, tensor in tensors.items():
+                arguments[position] = tensor
+            return tuple(arguments), dict(call.kwargs)
         flat = list(self.flat)
         for position, tensor in tensors.items():
             flat[position] = tensor
@@ -231,6 +243,27 @@ def plain_call(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Plain | None:
         else:
             return None
     return len(args), tuple(kwargs), None if not any(containers) else tuple(containers)
+
+
+class Call(NamedTuple):
+    """An operation's arguments as it is called, with None for its fake tensors, each of which is a positional
+    argument of its own: its index among the flattened arguments is its index among the positional ones."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def call_of(op: Op) -> Call | None:
+    """``Op.call`` of ``op``: its arguments ready to be called once its fake tensors are put in, when it holds no
+    real tensor, no generator, and its fake tensors come before any list argument; else None."""
+    if op.plain is None or op.constant_slots or op.generator_states:
+        return None
+    positional, names, containers = op.plain
+    first_list = next((at for at, container in enumerate(containers or ()) if container is not None), positional)
+    if any(slot.index >= min(positional, first_list) for slot in op.slots):
+        return None
+    arguments = op.flat if containers is None else _gathered(op.flat, containers)
+    return Call(tuple(arguments[:positional]), dict(zip(names, arguments[positional:], strict=True)))
 
 
 def _gathered(flat: list[Any], containers: tuple[tuple[type, int] | None, ...]) -> list[Any]:

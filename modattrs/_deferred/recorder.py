@@ -38,6 +38,7 @@ from modattrs._deferred.record import (
     Plain,
     Record,
     Slot,
+    call_of,
     plain_call,
     results_of,
     scratch_arguments,
@@ -210,8 +211,13 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
 
     def ref_of(self, tensor: FakeTensor) -> int | None:
         """The record's name for ``tensor``, or None if the record cannot account for it."""
+        return self.ref_and_storage_of(tensor)[0]
+
+    def ref_and_storage_of(self, tensor: FakeTensor) -> tuple[int | None, int]:
+        """``ref_of`` and ``storage_of`` of ``tensor``, from one look at it."""
         with generator.lock:
-            return self.record.keys.get(self._key_of(tensor))
+            key = self._key_of(tensor)
+            return self.record.keys.get(key), key[0]
 
     def storage_of(self, tensor: FakeTensor) -> int:
         with generator.lock:
@@ -252,18 +258,12 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 )
             if isinstance(value, FakeTensor):
                 ref, storage = self._ref_of(value, func)
-                slots.append(
-                    Slot(
-                        position,
-                        ref,
-                        storage,
-                        tuple(value.shape),
-                        tuple(value.stride()),
-                        value.dtype,
-                        value.device,
-                        id(value) in written,
-                    )
-                )
+                size, stride, dtype = tuple(value.shape), tuple(value.stride()), value.dtype
+                layout = self.record.layouts.get(ref)  # a ref's layout is noted once, when it is made
+                geometry = (storage, size, stride, dtype)
+                laid = layout is not None and (layout.storage, layout.size, layout.stride, layout.dtype) == geometry
+                written_here = id(value) in written
+                slots.append(Slot(position, ref, storage, size, stride, dtype, value.device, written_here, laid))
                 flat[position] = None
             elif isinstance(value, torch.Tensor):  # a real tensor from outside (torch.tensor(...), a loaded weight)
                 if id(value) in written:
@@ -364,6 +364,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         """Append ``op`` to the record, noting the devices it names and whether it is a collective, which replays
         check for (``replay._check_devices``, ``replay._refuse_collectives``) without a pass over the record."""
         record = self.record
+        op.call = call_of(op)
         record.devices.update([slot.device for slot in op.slots])
         record.devices.update([op.flat[position] for position in op.device_slots])
         if is_collective(op.func):

@@ -44,7 +44,7 @@ def replay(
     back as it was.
     """
     with generator.replaying(record, device, state_after, to_end=to_end) as walk:
-        kept = _slice(record.ops, targets)
+        kept = _slice(record.ops, targets)  # in order
         _check_devices(record, kept, device)
         _refuse_collectives(record, kept, targets, labels)
         env: dict[int, torch.Tensor] = {}
@@ -67,7 +67,7 @@ def state_after(point: Point) -> torch.Tensor:
 
 def _run_kept(
     ops: list[Op],
-    kept: set[int],
+    kept: list[int],
     targets: Mapping[int, int],
     env: dict[int, torch.Tensor],
     device: torch.device | None,
@@ -76,8 +76,8 @@ def _run_kept(
     parts: Mapping[int, windows.Window] | None = None,
     layouts: Mapping[int, Layout] | None = None,
 ) -> None:
-    """Run the ``kept`` operations in order, keeping their results in ``env`` until their last use; ``parts``: the
-    windows of storages made in part (see ``Note [Replaying only the part that is kept]``)."""
+    """Run the ``kept`` operations (ascending indices) in order, keeping their results in ``env`` until their last
+    use; ``parts``: the windows of storages made in part (see ``Note [Replaying only the part that is kept]``)."""
     frees, wanted = _last_uses(ops, kept, targets)
     unfilled = _dead_fills(ops, kept, layouts or {})
     copies: Copies = {}
@@ -87,7 +87,7 @@ def _run_kept(
             roles.setdefault(index, []).append(window)
     if parts:
         windows.prepare(ops, parts, unfilled, device, copies)
-    for index in sorted(kept):
+    for index in kept:
         op = ops[index]
         if op.default_dtype is not torch.get_default_dtype():
             torch.set_default_dtype(op.default_dtype)
@@ -121,16 +121,16 @@ _UNFILLED = {
 }
 
 
-def _dead_fills(ops: list[Op], kept: set[int], layouts: Mapping[int, Layout]) -> dict[int, OpOverload]:
+def _dead_fills(ops: list[Op], kept: list[int], layouts: Mapping[int, Layout]) -> dict[int, OpOverload]:
     """The kept factories whose fill nothing reads (``new_zeros`` that a ``copy_`` overwrites whole before any
     read, as FSDP2's padded shard), with the factory to run instead, which fills nothing: one pass over the memory
     less, as a ``copy_`` into ``empty`` would be in eager code."""
     filled: dict[int, int] = {}  # storage -> the factory that filled it, until something touches its values
     dead: dict[int, OpOverload] = {}
-    for index in sorted(kept):
+    for index in kept:
         op = ops[index]
-        touched = () if not filled else op.touched  # a result on a storage of its own is not filled yet
-        for storage in filled.keys() & touched:
+        # a result on a storage of its own is not filled yet
+        for storage in () if not filled or filled.keys().isdisjoint(op.touched) else filled.keys() & op.touched:
             factory = filled.pop(storage)
             neutral = isinstance(op.func, OpOverload) and op.func.is_view and not op.writes
             if neutral or op.func is torch.ops.prim.device.default:
@@ -142,10 +142,11 @@ def _dead_fills(ops: list[Op], kept: set[int], layouts: Mapping[int, Layout]) ->
     return dead
 
 
-def _slice(ops: list[Op], targets: Mapping[int, int]) -> set[int]:
+def _slice(ops: list[Op], targets: Mapping[int, int]) -> list[int]:
+    """The operations to keep (see the module's docstring), in order."""
     needed_refs = set(targets)
     needed_storages = set(targets.values())
-    kept: set[int] = set()
+    kept: list[int] = []
     for index in range(len(ops) - 1, -1, -1):
         op = ops[index]
         keep = (
@@ -154,18 +155,19 @@ def _slice(ops: list[Op], targets: Mapping[int, int]) -> set[int]:
             or not needed_storages.isdisjoint(op.writes)
         )
         if keep:
-            kept.add(index)
+            kept.append(index)
             needed_storages.difference_update(op.overwrites)  # what was written there before is dead
             needed_refs.update(op.in_refs)
             needed_storages.update(op.reads)
+    kept.reverse()
     return kept
 
 
-def _last_uses(ops: list[Op], kept: set[int], targets: Mapping[int, int]) -> tuple[dict[int, list[int]], set[int]]:
+def _last_uses(ops: list[Op], kept: list[int], targets: Mapping[int, int]) -> tuple[dict[int, list[int]], set[int]]:
     """The refs a replay keeps: those a kept operation reads, and the targets (a split at N ranks makes N results,
     of which one is read); and for each kept operation, the refs that no later one reads and are not targets."""
     last_use: dict[int, int] = {}
-    for index in sorted(kept):
+    for index in kept:
         for ref in ops[index].in_refs:
             last_use[ref] = index
     frees: dict[int, list[int]] = {}
@@ -217,9 +219,7 @@ def _check_devices(record: Record, kept: Iterable[int], device: torch.device | N
                 )
 
 
-def _refuse_collectives(
-    record: Record, kept: Container[int], targets: Mapping[int, int], labels: Mapping[int, str]
-) -> None:
+def _refuse_collectives(record: Record, kept: list[int], targets: Mapping[int, int], labels: Mapping[int, str]) -> None:
     """Raise if what is needed depends on a collective (a scatter, a broadcast) that ran on fake tensors.
 
     ``distribute_tensor`` and ``parallelize_module`` send rank 0's data to the other ranks unless given
@@ -227,8 +227,9 @@ def _refuse_collectives(
     materializes on its own, what and when it chooses, so the other ranks would not be there to answer. Every rank
     slices alike, so all of them raise.
     """
+    kept_ones = set(kept) if record.collectives else ()
     for index in record.collectives:
-        if index not in kept:
+        if index not in kept_ones:
             continue
         op = record.ops[index]
         # c10d's schemas do not mark the tensors they fill as written: they are results with their argument's ref.

@@ -196,12 +196,12 @@ class Window:
 
 def plan(
     record: Record,
-    kept: set[int],
+    kept: list[int],
     targets: Mapping[int, int],
     pattern_of: Callable[[int], draws.Pattern | None],
     device: torch.device | None,
 ) -> dict[int, Window]:
-    """The windows of a replay of ``kept`` (operation indices) for ``targets`` (ref -> storage), by storage.
+    """The windows of a replay of ``kept`` (operation indices, ascending) for ``targets`` (ref -> storage), by storage.
 
     ``pattern_of`` gives the modelled pattern of a kept draw from the default CPU generator (None: not modelled, or
     not such a draw).
@@ -211,7 +211,7 @@ def plan(
         return {}
     ops, layouts = record.ops, record.layouts
     touching: dict[int, list[int]] = {}
-    for index in sorted(kept):
+    for index in kept:
         for storage in ops[index].touched:
             touching.setdefault(storage, []).append(index)
     spans: dict[int, list[range]] = {}
@@ -254,7 +254,7 @@ def _host(record: Record, window: Window, touching: Mapping[int, list[int]], win
     if copy.out_refs != (destination.ref,) or copy.writes != {host} or host in windows:
         return None
     laid, read = layouts.get(destination.ref), layouts[source.ref]
-    if laid is None or not _laid_out(destination, layouts, window.dtype) or laid.size != read.size:
+    if laid is None or not _laid_out(destination, window.dtype) or laid.size != read.size:
         return None
     if read.span != range(window.start, window.stop) or not _contiguous(read) or not _contiguous(laid):
         return None  # the copy reads other than all of the window, or not in its order
@@ -294,11 +294,17 @@ def _window(
     spans = list(target_spans)
     partial: dict[int, range] = {}
     patterns: dict[int, draws.Pattern] = {}
+    dtype, only, only_dtype = whole.dtype, {storage}, {whole.dtype}
     for index in indices[1:]:
         op = ops[index]
-        on = [slot for slot in op.slots if slot.storage == storage]
+        slots = op.slots
+        on = (
+            (slots if slots[0].storage == storage else ())
+            if len(slots) == 1
+            else [s for s in slots if s.storage == storage]
+        )
         for slot in on:
-            if not _laid_out(slot, layouts, whole.dtype):
+            if not _laid_out(slot, dtype):
                 return None  # a ref whose geometry changed in place, not laid out, or in another dtype
         func = op.func
         if not isinstance(func, OpOverload):
@@ -306,8 +312,8 @@ def _window(
         made = op.results
         written = [slot for slot in on if slot.written]
         if not written and storage not in op.writes:
-            if func.is_view and not made.unlaid and made.storages <= {storage}:
-                if not made.dtypes <= {whole.dtype}:
+            if func.is_view and not made.unlaid and made.storages <= only:
+                if not made.dtypes <= only_dtype:
                     return None
                 roles[index] = Role.VIEW
             elif func in _METADATA and storage not in made.storages:
@@ -373,18 +379,9 @@ def _created(op: Op, storage: int, layouts: Mapping[int, Layout]) -> Layout | No
     return layout
 
 
-def _laid_out(slot: Slot, layouts: Mapping[int, Layout], dtype: torch.dtype) -> bool:
-    """Whether a tensor given to an operation sits where its ref's layout says (slots hold no offsets), in
-    ``dtype``."""
-    layout = layouts.get(slot.ref)
-    return (
-        layout is not None
-        and slot.dtype == dtype
-        and layout.dtype == dtype
-        and layout.storage == slot.storage
-        and layout.size == slot.size
-        and layout.stride == slot.stride
-    )
+def _laid_out(slot: Slot, dtype: torch.dtype) -> bool:
+    """Whether a tensor given to an operation sits where its ref's layout says (``Slot.laid``), in ``dtype``."""
+    return slot.laid and slot.dtype == dtype
 
 
 def _contiguous(layout: Layout) -> bool:
