@@ -385,3 +385,31 @@ def test_draws_of_one_layout_with_other_numbers_each_give_their_own_eager_slice(
             materialize_module(model)
             assert_slices_of(model, reference, size, rank)
         assert torch.equal(torch.get_rng_state(), state_after_eager)
+
+
+class CopiedWhole(nn.Module):
+    """A buffer of zeros that a copy then overwrites, whole or in part (FSDP2's padded shard, when uneven)."""
+
+    def __init__(self, rows: slice) -> None:
+        super().__init__()
+        drawn = torch.empty(8, 3).uniform_()
+        copy = drawn.new_zeros(8, 3)
+        copy[rows].copy_(drawn[rows])
+        self.copy = nn.Parameter(copy)
+        self.drawn = nn.Parameter(drawn)
+
+
+@pytest.mark.parametrize(
+    ("rows", "zeros_written"), [(slice(0, 8), 0), (slice(1, 7), 1)], ids=["overwritten whole", "overwritten in part"]
+)
+def test_zeros_that_a_copy_overwrites_whole_are_never_written_and_zeros_it_leaves_are(
+    rows: slice, zeros_written: int
+) -> None:
+    reference, _ = eager(lambda: CopiedWhole(rows))
+    torch.manual_seed(0)
+    model = deferred_init(CopiedWhole, rows)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        materialize_module(model)
+    assert sum(event.name == "aten::zero_" for event in profile.events()) == zeros_written
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name

@@ -262,7 +262,7 @@ class Walk:
     def __init__(self, record: Record, device: torch.device | None, resolve: Resolve) -> None:
         self.record = record
         self.device = device
-        self.draws = [index for index, op in enumerate(record.ops) if draws_on_cpu(op, device)]
+        self.draws = [index for index in record.default_draws if draws_on_cpu(record.ops[index], device)]
         self.drawing = frozenset(self.draws)  # is_draw, asked of every kept operation
         self.resets = [index for index in self.draws if record.ops[index].reset is not None]
         self.states = record.states.setdefault("" if device is None else str(device), {})

@@ -306,6 +306,9 @@ class Record:
     layouts: dict[int, Layout] = field(default_factory=dict)  # ref -> where the operation that made it put it
     devices: set[torch.device] = field(default_factory=set)  # of the operations' tensor and device arguments
     collectives: list[int] = field(default_factory=list)  # the operations that are collectives, in order
+    default_draws: list[int] = field(default_factory=list)  # the operations that draw from a default generator
+    touching: dict[int, list[int]] = field(default_factory=dict)  # storage -> the operations that touch it (Op.touched)
+    filling_factories: list[int] = field(default_factory=list)  # zeros, new_ones, ... (see replay._dead_fills)
     root: weakref.ref[torch.nn.Module] | None = None  # what deferred_init returned
     # Per replay device ("" for the recorded devices): the CPU generator's state after the first n operations,
     # remembered by replays that passed there, so that later ones start from the nearest one (see generator).

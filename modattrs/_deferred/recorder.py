@@ -43,7 +43,7 @@ from modattrs._deferred.record import (
     results_of,
     scratch_arguments,
 )
-from modattrs._deferred.replay import is_collective, state_after
+from modattrs._deferred.replay import UNFILLED, is_collective, state_after
 from modattrs._fake import cuda_guard
 from modattrs._fake.mode import CONSTANT_LIMIT, ModattrsFakeTensorMode
 from modattrs._names import callable_name, where
@@ -361,14 +361,22 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         self._append(op)
 
     def _append(self, op: Op) -> None:
-        """Append ``op`` to the record, noting the devices it names and whether it is a collective, which replays
-        check for (``replay._check_devices``, ``replay._refuse_collectives``) without a pass over the record."""
-        record = self.record
+        """Append ``op`` to the record, noting what replays would otherwise find in a pass over the record: the
+        devices it names and whether it is a collective (``replay._check_devices``, ``replay._refuse_collectives``),
+        whether it draws from a default generator (``generator.Walk``), the storages it touches (``windows``), and
+        whether it is a factory that fills what it makes (``replay._dead_fills``)."""
+        record, index = self.record, len(self.record.ops)
         op.call = call_of(op)
         record.devices.update([slot.device for slot in op.slots])
         record.devices.update([op.flat[position] for position in op.device_slots])
         if is_collective(op.func):
-            record.collectives.append(len(record.ops))
+            record.collectives.append(index)
+        if op.draws is Draws.DEFAULT:
+            record.default_draws.append(index)
+        if op.func in UNFILLED:
+            record.filling_factories.append(index)
+        for storage in op.touched:
+            record.touching.setdefault(storage, []).append(index)
         record.ops.append(op)
 
     def _name_results(

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from modattrs._deferred import draws, generator, windows
-from modattrs._deferred.record import Copies, DeferredInitError, Layout, Op, Point, Record, private_results
+from modattrs._deferred.record import Copies, DeferredInitError, Op, Point, Record, private_results
 from modattrs._torch_private import OpOverload, tree_flatten, written_arguments
 
 __all__: list[str] = []
@@ -49,7 +49,7 @@ def replay(
         _refuse_collectives(record, kept, targets, labels)
         env: dict[int, torch.Tensor] = {}
         parts = windows.plan(record, kept, targets, walk.pattern_of, device)
-        _run_kept(record.ops, kept, targets, env, device, walk, threads, parts, record.layouts)
+        _run_kept(record.ops, kept, targets, env, device, walk, threads, parts, record)
         if to_end and not record.settled:  # a settled record's end is where the generator is already
             walk.reach(len(record.ops))
         return {ref: env[ref] for ref in targets}
@@ -74,12 +74,13 @@ def _run_kept(
     walk: generator.Walk,
     threads: int = 1,
     parts: Mapping[int, windows.Window] | None = None,
-    layouts: Mapping[int, Layout] | None = None,
+    record: Record | None = None,
 ) -> None:
     """Run the ``kept`` operations (ascending indices) in order, keeping their results in ``env`` until their last
-    use; ``parts``: the windows of storages made in part (see ``Note [Replaying only the part that is kept]``)."""
+    use; ``parts``: the windows of storages made in part (see ``Note [Replaying only the part that is kept]``) of
+    ``record``, whose operations ``ops`` are (without it, factories fill what they make: see ``_dead_fills``)."""
     frees, wanted = _last_uses(ops, kept, targets)
-    unfilled = _dead_fills(ops, kept, layouts or {})
+    unfilled = _dead_fills(record, kept) if record is not None else {}
     copies: Copies = {}
     roles: dict[int, list[windows.Window]] = {}
     for window in (parts or {}).values():
@@ -94,8 +95,8 @@ def _run_kept(
         on = roles.get(index)
         if on is not None:
             assert parts is not None
-            assert layouts is not None
-            if not windows.run(op, index, on, parts, env, wanted, device, copies, walk, layouts):
+            assert record is not None
+            if not windows.run(op, index, on, parts, env, wanted, device, copies, walk, record.layouts):
                 tensors = windows.window_arguments(op, parts, env)
                 _run(op, env, wanted, device, copies, tensors=tensors, func=unfilled.get(index))
             for window in on:
@@ -112,8 +113,9 @@ def _run_kept(
             env.pop(ref, None)
 
 
-# Factories that fill what they make, and the factory with the same arguments that leaves it unfilled.
-_UNFILLED = {
+# Factories that fill what they make, and the factory with the same arguments that leaves it unfilled (the record
+# notes where they run: Record.filling_factories).
+UNFILLED = {
     torch.ops.aten.zeros.default: torch.ops.aten.empty.memory_format,
     torch.ops.aten.ones.default: torch.ops.aten.empty.memory_format,
     torch.ops.aten.new_zeros.default: torch.ops.aten.new_empty.default,
@@ -121,24 +123,29 @@ _UNFILLED = {
 }
 
 
-def _dead_fills(ops: list[Op], kept: list[int], layouts: Mapping[int, Layout]) -> dict[int, OpOverload]:
+def _dead_fills(record: Record, kept: list[int]) -> dict[int, OpOverload]:
     """The kept factories whose fill nothing reads (``new_zeros`` that a ``copy_`` overwrites whole before any
     read, as FSDP2's padded shard), with the factory to run instead, which fills nothing: one pass over the memory
     less, as a ``copy_`` into ``empty`` would be in eager code."""
-    filled: dict[int, int] = {}  # storage -> the factory that filled it, until something touches its values
+    ops, layouts = record.ops, record.layouts
+    kept_ones = set(kept)
     dead: dict[int, OpOverload] = {}
-    for index in kept:
-        op = ops[index]
-        # a result on a storage of its own is not filled yet
-        for storage in () if not filled or filled.keys().isdisjoint(op.touched) else filled.keys() & op.touched:
-            factory = filled.pop(storage)
-            neutral = isinstance(op.func, OpOverload) and op.func.is_view and not op.writes
-            if neutral or op.func is torch.ops.prim.device.default:
-                filled[storage] = factory  # a view or the device: no values read
-            elif op.value_writer and storage in op.overwrites and storage not in op.reads:
-                dead[factory] = _UNFILLED[ops[factory].func]  # type: ignore[index]
-        if op.func in _UNFILLED and len(op.out_refs) == 1 and op.out_refs[0] in layouts:
-            filled[layouts[op.out_refs[0]].storage] = index  # type: ignore[index]
+    for index in record.filling_factories:
+        factory = ops[index]
+        if index not in kept_ones or len(factory.out_refs) != 1 or factory.out_refs[0] not in layouts:
+            continue
+        storage = layouts[factory.out_refs[0]].storage  # its own: nothing before it touched it
+        for later in record.touching[storage]:  # the first kept operation after it to read or write values
+            if later <= index or later not in kept_ones:
+                continue
+            op = ops[later]
+            if (isinstance(op.func, OpOverload) and op.func.is_view and not op.writes) or (
+                op.func is torch.ops.prim.device.default
+            ):
+                continue  # a view or the device: no values read
+            if op.value_writer and storage in op.overwrites and storage not in op.reads:
+                dead[index] = UNFILLED[factory.func]  # type: ignore[index]
+            break
     return dead
 
 

@@ -209,11 +209,12 @@ def plan(
     """
     if device is not None and device.type != "cpu":
         return {}
-    ops, layouts = record.ops, record.layouts
-    touching: dict[int, list[int]] = {}
-    for index in kept:
-        for storage in ops[index].touched:
-            touching.setdefault(storage, []).append(index)
+    layouts = record.layouts
+    touching: dict[int, list[int]] = {}  # the kept operations that touch each storage
+    kept_ones = set(kept)
+    for storage, indices in record.touching.items():
+        if touched := [index for index in indices if index in kept_ones]:
+            touching[storage] = touched
     spans: dict[int, list[range]] = {}
     whole: set[int] = set()  # storages a target holds in a layout the record does not know
     for ref, storage in targets.items():
