@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Container, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -44,12 +44,12 @@ def replay(
     back as it was.
     """
     with generator.replaying(record, device, state_after, to_end=to_end) as walk:
-        kept = _slice(record.ops, targets)  # in order
-        _check_devices(record, kept, device)
-        _refuse_collectives(record, kept, targets, labels)
+        sliced = _slice(record.ops, targets)
+        _check_devices(record, sliced.kept, device)
+        _refuse_collectives(record, sliced.kept, targets, labels)
         env: dict[int, torch.Tensor] = {}
-        parts = windows.plan(record, kept, targets, walk.pattern_of, device)
-        _run_kept(record.ops, kept, targets, env, device, walk, threads, parts, record)
+        parts = windows.plan(record, sliced.kept, targets, walk.pattern_of, device)
+        _run_kept(record.ops, sliced, env, device, walk, threads, parts, record)
         if to_end and not record.settled:  # a settled record's end is where the generator is already
             walk.reach(len(record.ops))
         return {ref: env[ref] for ref in targets}
@@ -60,15 +60,14 @@ def state_after(point: Point) -> torch.Tensor:
     record, count = point
     with generator.replaying(record, None, state_after, to_end=False) as walk:
         ops = record.ops[:count]
-        _run_kept(ops, _slice(ops, {}), {}, {}, None, walk)  # draws that depend on values run for real
+        _run_kept(ops, _slice(ops, {}), {}, None, walk)  # draws that depend on values run for real
         walk.reach(count)
         return generator.real_state()
 
 
 def _run_kept(
     ops: list[Op],
-    kept: list[int],
-    targets: Mapping[int, int],
+    sliced: Slice,
     env: dict[int, torch.Tensor],
     device: torch.device | None,
     walk: generator.Walk,
@@ -76,10 +75,10 @@ def _run_kept(
     parts: Mapping[int, windows.Window] | None = None,
     record: Record | None = None,
 ) -> None:
-    """Run the ``kept`` operations (ascending indices) in order, keeping their results in ``env`` until their last
-    use; ``parts``: the windows of storages made in part (see ``Note [Replaying only the part that is kept]``) of
+    """Run the kept operations of ``sliced`` in order, keeping their results in ``env`` until their last use;
+    ``parts``: the windows of storages made in part (see ``Note [Replaying only the part that is kept]``) of
     ``record``, whose operations ``ops`` are (without it, factories fill what they make: see ``_dead_fills``)."""
-    frees, wanted = _last_uses(ops, kept, targets)
+    kept, frees, wanted = sliced
     unfilled = _dead_fills(record, kept) if record is not None else {}
     copies: Copies = {}
     roles: dict[int, list[windows.Window]] = {}
@@ -149,11 +148,20 @@ def _dead_fills(record: Record, kept: list[int]) -> dict[int, OpOverload]:
     return dead
 
 
-def _slice(ops: list[Op], targets: Mapping[int, int]) -> list[int]:
-    """The operations to keep (see the module's docstring), in order."""
+class Slice(NamedTuple):
+    """What a replay runs (``_slice``)."""
+
+    kept: list[int]  # the operations kept, in order
+    frees: dict[int, list[int]]  # by kept operation: the refs no later one reads, and that are not targets
+    wanted: set[int]  # the refs a kept operation reads, and the targets
+
+
+def _slice(ops: list[Op], targets: Mapping[int, int]) -> Slice:
+    """The operations to keep for ``targets`` (see the module's docstring), and when what they make is last read."""
     needed_refs = set(targets)
     needed_storages = set(targets.values())
     kept: list[int] = []
+    frees: dict[int, list[int]] = {}
     for index in range(len(ops) - 1, -1, -1):
         op = ops[index]
         keep = (
@@ -164,24 +172,13 @@ def _slice(ops: list[Op], targets: Mapping[int, int]) -> list[int]:
         if keep:
             kept.append(index)
             needed_storages.difference_update(op.overwrites)  # what was written there before is dead
-            needed_refs.update(op.in_refs)
             needed_storages.update(op.reads)
+            for ref in op.in_refs:
+                if ref not in needed_refs:  # read by no later kept operation: freed after this one
+                    needed_refs.add(ref)
+                    frees.setdefault(index, []).append(ref)
     kept.reverse()
-    return kept
-
-
-def _last_uses(ops: list[Op], kept: list[int], targets: Mapping[int, int]) -> tuple[dict[int, list[int]], set[int]]:
-    """The refs a replay keeps: those a kept operation reads, and the targets (a split at N ranks makes N results,
-    of which one is read); and for each kept operation, the refs that no later one reads and are not targets."""
-    last_use: dict[int, int] = {}
-    for index in kept:
-        for ref in ops[index].in_refs:
-            last_use[ref] = index
-    frees: dict[int, list[int]] = {}
-    for held, last in last_use.items():
-        if held not in targets:
-            frees.setdefault(last, []).append(held)
-    return frees, last_use.keys() | targets.keys()
+    return Slice(kept, frees, needed_refs)
 
 
 def _check_devices(record: Record, kept: Iterable[int], device: torch.device | None) -> None:
