@@ -141,7 +141,7 @@ class Window:
     dtype: torch.dtype
     start: int
     stop: int
-    roles: dict[int, str]  # operation index -> its role
+    roles: dict[int, str]  # operation index -> its role: its own operations in order, then its host's factory
     last: int  # the last kept operation that touches it
     patterns: dict[int, draws.Pattern] = field(default_factory=dict)  # by index, for DRAW
     tensor: torch.Tensor | None = None  # the window's memory, once made
@@ -248,7 +248,7 @@ def _host(record: Record, window: Window, touching: Mapping[int, list[int]], win
     copy = ops[reader]
     if copy.func is not aten.copy_.default or len(copy.slots) != 2 or copy.constant_slots:
         return None
-    destination, source = sorted(copy.slots, key=lambda slot: slot.index)
+    destination, source = copy.slots  # in the order of the arguments
     host = destination.storage
     if destination.index != 0 or not destination.written or source.written or host == window.storage:
         return None
@@ -259,8 +259,8 @@ def _host(record: Record, window: Window, touching: Mapping[int, list[int]], win
         return None
     if read.span != range(window.start, window.stop) or not _contiguous(read) or not _contiguous(laid):
         return None  # the copy reads other than all of the window, or not in its order
-    touched = [role for _, role in sorted(roles.items()) if role not in (Role.CREATE, Role.VIEW, Role.METADATA)]
-    if touched[0] != Role.DRAW:
+    first_write = next(role for role in roles.values() if role not in (Role.CREATE, Role.VIEW, Role.METADATA))
+    if first_write != Role.DRAW:  # (roles are in the order of the operations)
         return None  # the window holds its creator's fill when the copy reads it, not the host's
     factory, *between = touching[host]
     made = _created(ops[factory], host, layouts)
@@ -369,8 +369,11 @@ def _hull(spans: list[range]) -> tuple[int, int] | None:
 
 def _created(op: Op, storage: int, layouts: Mapping[int, Layout]) -> Layout | None:
     """The layout of the whole storage if ``op`` is a factory that made it, contiguous from its start."""
-    if len(op.out_refs) != 1 or op.func not in _CREATORS or any(slot.storage == storage for slot in op.slots):
+    if len(op.out_refs) != 1 or op.func not in _CREATORS:
         return None
+    for slot in op.slots:
+        if slot.storage == storage:
+            return None
     ref = op.out_refs[0]
     layout = layouts.get(ref) if ref is not None else None
     if layout is None or layout.storage != storage or layout.offset != 0 or not _contiguous(layout):
