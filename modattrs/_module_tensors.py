@@ -9,7 +9,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from modattrs._torch_private import TABLE_NAMES, FakeTensor, buffers_of, parameters_of, torch_tensor_fields
+from modattrs._torch_private import (
+    HOOK_TABLE_NAMES,
+    TABLE_NAMES,
+    FakeTensor,
+    buffers_of,
+    parameters_of,
+    torch_tensor_fields,
+)
 
 __all__: list[str] = []
 
@@ -40,7 +47,7 @@ def own_tensors(module: nn.Module, prefix: str = "", *, buffers_only: bool = Fal
         if buffer is not None:
             yield HeldTensor("buffer", join(prefix, name), module, buffer)
     for name, value in vars(module).items():
-        if name in TABLE_NAMES:
+        if name in _NOT_ATTRIBUTES:
             continue
         if isinstance(value, torch.Tensor):
             yield HeldTensor("tensor attribute", join(prefix, name), module, value)
@@ -49,6 +56,11 @@ def own_tensors(module: nn.Module, prefix: str = "", *, buffers_only: bool = Fal
             continue  # most attributes: flags, sizes, tables of hooks without hooks
         for path, tensor in _tensors_in(value, name, set()):
             yield HeldTensor("tensor attribute", join(prefix, path), module, tensor)
+
+
+# What a module's __dict__ holds besides its plain attributes: its tables of tensors, submodules and hooks (the hooks of
+# an FSDP2 unit or of a module with hooks would be looked through, one by one, for tensors they never hold).
+_NOT_ATTRIBUTES = TABLE_NAMES | HOOK_TABLE_NAMES
 
 
 def all_tensors(module: nn.Module) -> Iterator[HeldTensor]:

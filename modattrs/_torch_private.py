@@ -327,6 +327,12 @@ BUFFER_TABLE = "_buffers"
 #: The names of those three dictionaries in a module's ``__dict__``, which also holds its plain attributes.
 TABLE_NAMES = frozenset({"_parameters", BUFFER_TABLE, "_modules"})
 
+#: The names of the tables of hooks ``nn.Module.__init__`` makes (``_forward_pre_hooks``, ``_state_dict_hooks``,
+#: ...): callables and flags by handle id, never the module's tensors. Read from a module as torch makes it.
+HOOK_TABLE_NAMES = frozenset(
+    name for name, value in vars(nn.Module()).items() if "hooks" in name and isinstance(value, dict)
+)
+
 
 def module_initialized(module: nn.Module) -> bool:
     """Whether ``nn.Module.__init__`` ran on ``module`` (it made the tables). Checked on 2.8 to 2.15."""
