@@ -55,6 +55,24 @@ class DataAssignedAndViews(nn.Module):
         nn.init.normal_(packed)
 
 
+class ViewsOfTheSameGeometry(nn.Module):
+    """Views that keep their argument's place and geometry (``detach``, ``alias``, ``view`` to the same sizes,
+    ``as_strided`` at the same offset), next to one at another offset, each drawn or written through afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        whole = torch.empty(24).uniform_().resize_(5, 4)  # 5 rows of a storage of 6
+        self.detached = nn.Parameter(whole.detach())
+        self.register_buffer("viewed", whole.view(5, 4))
+        self.register_buffer("aliased", torch.ops.aten.alias(whole))
+        self.register_buffer("strided", whole.as_strided((5, 4), (4, 1), 0))
+        self.register_buffer("shifted", whole.as_strided((5, 4), (4, 1), 4))  # one row on: another tensor
+        with torch.no_grad():
+            self.detached.mul_(3.0)
+            self.shifted[0].normal_()
+        self.register_buffer("whole", whole)
+
+
 class DeepCopied(nn.Module):
     def __init__(self) -> None:
         super().__init__()

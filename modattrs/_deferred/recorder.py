@@ -246,6 +246,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         constant_slots: list[Constant] = []
         device_slots: list[int] = []
         generators: list[tuple[int, torch.Generator]] = []
+        keys: list[Key] = []
         for position, value in enumerate(originals):
             if isinstance(value, (torch.UntypedStorage, torch.TypedStorage)) or (
                 isinstance(value, torch.Tensor) and value.layout is not torch.strided
@@ -257,7 +258,9 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                     "tensors.\nDo this after materialize_module"
                 )
             if isinstance(value, FakeTensor):
-                ref, storage = self._ref_of(value, func)
+                ref, key = self._ref_of(value, func)
+                storage = key[0]
+                keys.append(key)
                 size, stride, dtype = tuple(value.shape), tuple(value.stride()), value.dtype
                 layout = self.record.layouts.get(ref)  # a ref's layout is noted once, when it is made
                 geometry = (storage, size, stride, dtype)
@@ -299,9 +302,33 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             draws=draws,
             mutated=written,
             arg_refs={id(originals[slot.index]): slot.ref for slot in slots},
+            keys=tuple(keys),
             value_writer=value_writer,
             overwrites=_overwritten(slots, originals) if value_writer else frozenset(),
             viewed=viewed,
+        )
+
+    def _same_tensor(self, pending: _Pending, result: Any) -> bool:
+        """Whether ``result`` is, to the record, the one fake tensor its view operation was given: in the same
+        place, with the same geometry (``detach``, ``alias``, a ``view`` to the same sizes).
+
+        Note [Views that are their argument]
+        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        The record knows a tensor by where its data lives (the module's docstring), so such a result is its argument:
+        it has the argument's ref already, and a replay would make it as an alias of the argument's real tensor,
+        which stands for it as well. Such operations are not written down: ``nn.Parameter`` detaches each weight,
+        ``fully_shard`` each shard (a fifth of the operations of a sharded model), and every replay would run them,
+        and each pass over the record step over them.
+        """
+        func = pending.func
+        if not isinstance(func, OpOverload) or not func.is_view or len(pending.keys) != 1 or pending.constant_slots:
+            return False
+        if pending.mutated or pending.draws is not Draws.NONE or pending.device_slots:
+            return False
+        return (
+            isinstance(result, FakeTensor)
+            and result.layout is torch.strided
+            and self._key_of(result) == pending.keys[0]
         )
 
     def _real(self, tensor: torch.Tensor) -> _Real:
@@ -315,6 +342,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
 
     def _finish(self, pending: _Pending, result: Any) -> None:
         """Name the results, then append the operation, noting what it drew from."""
+        if self._same_tensor(pending, result):
+            return  # see Note [Views that are their argument]
         out_refs, writes, device = self._name_results(pending, result)
         results = results_of(pending.func, out_refs, self.record.layouts)
         op = Op(
@@ -414,8 +443,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             device = next((slot.device for slot in pending.slots if slot.written), None)
         return tuple(out_refs), frozenset(writes), device
 
-    def _ref_of(self, tensor: FakeTensor, func: Callable[..., Any]) -> tuple[int, int]:
-        """The ref and the storage of a fake tensor given to ``func``."""
+    def _ref_of(self, tensor: FakeTensor, func: Callable[..., Any]) -> tuple[int, Key]:
+        """The ref and the key of a fake tensor given to ``func``."""
         if tensor.fake_mode is not self:
             raise DeferredInitError(
                 f"{callable_name(func)} was given a fake tensor that this deferred_init did not record (made by "
@@ -429,7 +458,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 f"{callable_name(func)} was given a fake tensor ({tuple(tensor.shape)}, {tensor.dtype}) whose making "
                 f"was not recorded.\nwhere: {where()}\nMake tensors with torch operations inside deferred_init"
             )
-        return ref, key[0]
+        return ref, key
 
     def _storage_of(self, tensor: torch.Tensor) -> int:
         storage = tensor.untyped_storage()
@@ -568,6 +597,7 @@ class _Pending:
     draws: Draws
     mutated: set[int]
     arg_refs: dict[int, int]
+    keys: tuple[Key, ...]  # of the fake tensors given, in the order of slots
     value_writer: bool
     overwrites: frozenset[int]
     viewed: _Real | None  # a view operation of a real tensor: that tensor, for messages
