@@ -73,6 +73,30 @@ class ViewsOfTheSameGeometry(nn.Module):
         self.register_buffer("whole", whole)
 
 
+class MovedAfterAliasing(nn.Module):
+    """A weight moved in place (``how``) after a tensor in its place was kept: that one stays where it was."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        weight = torch.empty(4, 3).normal_()
+        self.kept = nn.Parameter(weight.detach())
+        self.register_buffer("viewed", weight[:])
+        if how == "unsqueeze_":
+            weight.unsqueeze_(0)
+        elif how == "t_":
+            weight.t_()
+        elif how == "resize_ smaller":
+            weight.resize_(2, 3)
+        elif how == "resize_ larger":
+            weight.resize_(5, 4)
+            weight.view(-1)[12:].uniform_()  # the elements it grew by, which hold no values yet
+        elif how == "set_":
+            weight.set_(torch.empty(6).uniform_())
+        with torch.no_grad():
+            weight.mul_(2.0)  # written after the move: the kept tensors see it where they share memory
+        self.register_buffer("weight", weight)
+
+
 class DeepCopied(nn.Module):
     def __init__(self) -> None:
         super().__init__()

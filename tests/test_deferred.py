@@ -37,6 +37,7 @@ from tests.deferred_models import (
     CachedFromSubmodule,
     DataAssignedAndViews,
     DeepCopied,
+    MovedAfterAliasing,
     OwnGenerator,
     RotaryInvFreq,
     Stack,
@@ -136,6 +137,10 @@ CASES: dict[str, Callable[[], nn.Module]] = {
     "tied weights": Tied,
     ".data = and views": DataAssignedAndViews,
     "views of the same geometry": ViewsOfTheSameGeometry,
+    **{
+        f"moved by {how} after aliasing": functools.partial(MovedAfterAliasing, how)
+        for how in ("unsqueeze_", "t_", "resize_ smaller", "resize_ larger", "set_")
+    },
     "deep-copied layers": DeepCopied,
     "trunc_normal_ and orthogonal_": TruncatedAndOrthogonal,
     "own generator": OwnGenerator,

@@ -17,6 +17,7 @@ is kept, so replays use it in constant time and the object ends where eager code
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -303,6 +304,9 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             mutated=written,
             arg_refs={id(originals[slot.index]): slot.ref for slot in slots},
             keys=tuple(keys),
+            written_fakes=tuple(
+                (slot, key, originals[slot.index]) for slot, key in zip(slots, keys, strict=True) if slot.written
+            ),
             value_writer=value_writer,
             overwrites=_overwritten(slots, originals) if value_writer else frozenset(),
             viewed=viewed,
@@ -331,6 +335,43 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             and self._key_of(result) == pending.keys[0]
         )
 
+    def _keep_place(self, slot: Slot, key: Key) -> None:
+        """Before an operation moves the fake tensor of ``slot`` in place (``unsqueeze_``, ``t_``, ``resize_``,
+        ``set_``), record an alias of it where it is (``key``), under a ref of its own: the tensors it was, to the
+        record, stay there (a ``detach`` of it made earlier, a view that was its argument: see Note [Views that are
+        their argument]), and name that ref from now on, as eager code's still see the old place."""
+        record = self.record
+        ref = record.next_ref
+        record.next_ref += 1
+        record.layouts[ref] = Layout(*key[:5])
+        record.keys[key] = ref
+        viewed = dataclasses.replace(slot, index=0, written=False)
+        self._append(
+            Op(
+                func=torch.ops.aten.alias.default,
+                flat=[None],
+                spec=tree_flatten(((None,), {}))[1],
+                plain=(1, (), None),
+                slots=(viewed,),
+                constant_slots=(),
+                device_slots=(),
+                generator_states=(),
+                in_refs=frozenset((slot.ref,)),
+                reads=frozenset(),  # a view reads no values
+                out_refs=(ref,),
+                results=results_of(torch.ops.aten.alias.default, (ref,), record.layouts),
+                writes=frozenset(),
+                value_writer=False,
+                overwrites=frozenset(),
+                touched=frozenset((slot.storage,)),
+                draws=Draws.NONE,
+                device=slot.device,
+                reset=None,
+                pinned=False,
+                default_dtype=torch.get_default_dtype(),
+            )
+        )
+
     def _real(self, tensor: torch.Tensor) -> _Real:
         """A real tensor, for messages: the argument of deferred_init it is or shares memory with, if it is one."""
         handed = self._handed.get(id(tensor))
@@ -344,6 +385,9 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         """Name the results, then append the operation, noting what it drew from."""
         if self._same_tensor(pending, result):
             return  # see Note [Views that are their argument]
+        for slot, key, tensor in pending.written_fakes:
+            if self._key_of(tensor) != key:
+                self._keep_place(slot, key)
         out_refs, writes, device = self._name_results(pending, result)
         results = results_of(pending.func, out_refs, self.record.layouts)
         op = Op(
@@ -598,6 +642,7 @@ class _Pending:
     mutated: set[int]
     arg_refs: dict[int, int]
     keys: tuple[Key, ...]  # of the fake tensors given, in the order of slots
+    written_fakes: tuple[tuple[Slot, Key, FakeTensor], ...]  # those written in place, with their keys before
     value_writer: bool
     overwrites: frozenset[int]
     viewed: _Real | None  # a view operation of a real tensor: that tensor, for messages
