@@ -184,7 +184,8 @@ class Op:
         in the results: see :func:`private_results`."""
         call = self.call
         if call is not None and not generators and (device is None or not self.device_slots):
-            # Most operations of a replay (the views and splits of FSDP2's sharding) take this way.
+            # Most operations of a replay (the views and splits of FSDP2's sharding) take this way. The arguments
+            # (size lists among them) are the record's, shared by every replay: replaced, never changed in place.
             arguments = list(call.args)
             for position, tensor in tensors.items():
                 arguments[position] = tensor
