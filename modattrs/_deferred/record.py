@@ -398,6 +398,14 @@ def _lent(memory: dict[int, torch.Tensor], slot: Slot, device: torch.device) -> 
     return held[:needed].view(slot.dtype).as_strided(slot.size, slot.stride)  # from offset 0: aligned
 
 
+def reads_no_values(op: Op) -> bool:
+    """Whether ``op`` leaves the values of what it is given alone: a view that writes nothing, or the device."""
+    return (isinstance(op.func, OpOverload) and op.func.is_view and not op.writes) or op.func is _DEVICE
+
+
+_DEVICE = torch.ops.prim.device.default
+
+
 def draws_on_cpu(op: Op, device: torch.device | None) -> bool:
     """Whether ``op``, replayed on ``device`` (None: where it was recorded), draws from the default CPU generator."""
     if op.draws is not Draws.DEFAULT:

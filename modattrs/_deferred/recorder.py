@@ -37,7 +37,9 @@ from modattrs._deferred.record import (
     Layout,
     Op,
     Plain,
+    Position,
     Record,
+    Results,
     Slot,
     call_of,
     plain_call,
@@ -183,39 +185,11 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             reset = generator.reset_before_draw(self.record)
             if reset is None:
                 return
-            self._append(
-                Op(
-                    func=_no_draw,
-                    flat=[],
-                    spec=tree_flatten(((), {}))[1],
-                    plain=(0, (), None),
-                    slots=(),
-                    constant_slots=(),
-                    device_slots=(),
-                    generator_states=(),
-                    in_refs=frozenset(),
-                    reads=frozenset(),
-                    out_refs=(),
-                    results=NO_RESULTS,
-                    writes=frozenset(),
-                    value_writer=False,
-                    overwrites=frozenset(),
-                    touched=frozenset(),
-                    draws=Draws.DEFAULT,
-                    device=torch.device("cpu"),
-                    reset=reset,
-                    pinned=False,
-                    default_dtype=torch.get_default_dtype(),
-                )
-            )
+            self._append(_made_here(_no_draw, (), device=torch.device("cpu"), draws=Draws.DEFAULT, reset=reset))
             generator.drew(self.record)
 
-    def ref_of(self, tensor: FakeTensor) -> int | None:
-        """The record's name for ``tensor``, or None if the record cannot account for it."""
-        return self.ref_and_storage_of(tensor)[0]
-
     def ref_and_storage_of(self, tensor: FakeTensor) -> tuple[int | None, int]:
-        """``ref_of`` and ``storage_of`` of ``tensor``, from one look at it."""
+        """The record's name for ``tensor`` (None if the record cannot account for it), and its storage."""
         with generator.lock:
             key = self._key_of(tensor)
             return self.record.keys.get(key), key[0]
@@ -321,8 +295,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         The record knows a tensor by where its data lives (the module's docstring), so such a result is its argument:
         it has the argument's ref already, and a replay would make it as an alias of the argument's real tensor,
         which stands for it as well. Such operations are not written down: ``nn.Parameter`` detaches each weight,
-        ``fully_shard`` each shard (a fifth of the operations of a sharded model), and every replay would run them,
-        and each pass over the record step over them.
+        ``fully_shard`` each shard and takes all of an even one (two fifths of the operations of a model sharded over
+        64 ranks), and every replay would run them, and each pass over the record step over them.
         """
         func = pending.func
         if not isinstance(func, OpOverload) or not func.is_view or len(pending.keys) != 1 or pending.constant_slots:
@@ -346,31 +320,9 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         record.layouts[ref] = Layout(*key[:5])
         record.keys[key] = ref
         viewed = dataclasses.replace(slot, index=0, written=False)
-        self._append(
-            Op(
-                func=torch.ops.aten.alias.default,
-                flat=[None],
-                spec=tree_flatten(((None,), {}))[1],
-                plain=(1, (), None),
-                slots=(viewed,),
-                constant_slots=(),
-                device_slots=(),
-                generator_states=(),
-                in_refs=frozenset((slot.ref,)),
-                reads=frozenset(),  # a view reads no values
-                out_refs=(ref,),
-                results=results_of(torch.ops.aten.alias.default, (ref,), record.layouts),
-                writes=frozenset(),
-                value_writer=False,
-                overwrites=frozenset(),
-                touched=frozenset((slot.storage,)),
-                draws=Draws.NONE,
-                device=slot.device,
-                reset=None,
-                pinned=False,
-                default_dtype=torch.get_default_dtype(),
-            )
-        )
+        alias, made = torch.ops.aten.alias.default, (ref,)
+        results = results_of(alias, made, record.layouts)
+        self._append(_made_here(alias, (viewed,), device=slot.device, out_refs=made, results=results))
 
     def _real(self, tensor: torch.Tensor) -> _Real:
         """A real tensor, for messages: the argument of deferred_init it is or shares memory with, if it is one."""
@@ -690,6 +642,43 @@ _VALUE_WRITERS = frozenset(
     )
     for overload in (getattr(packet, name) for name in packet.overloads())  # type: ignore[no-untyped-call]
 )
+
+
+def _made_here(
+    func: Callable[..., Any],
+    slots: tuple[Slot, ...],
+    *,
+    device: torch.device,
+    out_refs: tuple[int, ...] = (),
+    results: Results = NO_RESULTS,
+    draws: Draws = Draws.NONE,
+    reset: Position | None = None,
+) -> Op:
+    """An operation the recorder adds itself, without arguments but ``slots`` (read, not written), writing
+    nothing: the generator noted after construction, an alias kept at a tensor's old place."""
+    return Op(
+        func=func,
+        flat=[None] * len(slots),
+        spec=tree_flatten((tuple([None] * len(slots)), {}))[1],
+        plain=(len(slots), (), None),
+        slots=slots,
+        constant_slots=(),
+        device_slots=(),
+        generator_states=(),
+        in_refs=frozenset(slot.ref for slot in slots),
+        reads=frozenset(),  # a view, or nothing: no values read
+        out_refs=out_refs,
+        results=results,
+        writes=frozenset(),
+        value_writer=False,
+        overwrites=frozenset(),
+        touched=frozenset(slot.storage for slot in slots),
+        draws=draws,
+        device=device,
+        reset=reset,
+        pinned=False,
+        default_dtype=torch.get_default_dtype(),
+    )
 
 
 def _reads(pending: _Pending) -> frozenset[int]:

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from modattrs._deferred import draws, generator, windows
-from modattrs._deferred.record import Copies, DeferredInitError, Op, Point, Record, private_results
+from modattrs._deferred.record import Copies, DeferredInitError, Op, Point, Record, private_results, reads_no_values
 from modattrs._torch_private import OpOverload, tree_flatten, written_arguments
 
 __all__: list[str] = []
@@ -138,10 +138,8 @@ def _dead_fills(record: Record, kept: list[int]) -> dict[int, OpOverload]:
             if later <= index or later not in kept_ones:
                 continue
             op = ops[later]
-            if (isinstance(op.func, OpOverload) and op.func.is_view and not op.writes) or (
-                op.func is torch.ops.prim.device.default
-            ):
-                continue  # a view or the device: no values read
+            if reads_no_values(op):
+                continue
             if op.value_writer and storage in op.overwrites and storage not in op.reads:
                 dead[index] = UNFILLED[factory.func]  # type: ignore[index]
             break

@@ -64,7 +64,7 @@ from typing import Any
 import torch
 
 from modattrs._deferred import draws, generator
-from modattrs._deferred.record import Copies, Layout, Op, Record, Slot
+from modattrs._deferred.record import Copies, Layout, Op, Record, Slot, reads_no_values
 from modattrs._torch_private import OpOverload, contiguous_strides, operator_arguments, written_arguments
 
 __all__: list[str] = []
@@ -271,9 +271,7 @@ def _host(record: Record, window: Window, touching: Mapping[int, list[int]], win
     for index in between:
         if index >= reader:
             break
-        op = ops[index]
-        viewed = isinstance(op.func, OpOverload) and op.func.is_view and not op.writes and not op.reads
-        if not viewed and op.func is not torch.ops.prim.device.default:
+        if not reads_no_values(ops[index]):
             return None
     roles[factory] = Role.HOST
     roles[reader] = Role.COPIED
@@ -295,17 +293,11 @@ def _window(
     spans = list(target_spans)
     partial: dict[int, range] = {}
     patterns: dict[int, draws.Pattern] = {}
-    dtype, only, only_dtype = whole.dtype, {storage}, {whole.dtype}
     for index in indices[1:]:
         op = ops[index]
-        slots = op.slots
-        on = (
-            (slots if slots[0].storage == storage else ())
-            if len(slots) == 1
-            else [s for s in slots if s.storage == storage]
-        )
+        on = [slot for slot in op.slots if slot.storage == storage]
         for slot in on:
-            if not _laid_out(slot, dtype):
+            if not _laid_out(slot, whole.dtype):
                 return None  # a ref whose geometry changed in place, not laid out, or in another dtype
         func = op.func
         if not isinstance(func, OpOverload):
@@ -313,8 +305,8 @@ def _window(
         made = op.results
         written = [slot for slot in on if slot.written]
         if not written and storage not in op.writes:
-            if func.is_view and not made.unlaid and made.storages <= only:
-                if not made.dtypes <= only_dtype:
+            if func.is_view and not made.unlaid and made.storages <= {storage}:
+                if not made.dtypes <= {whole.dtype}:
                     return None
                 roles[index] = Role.VIEW
             elif func in _METADATA and storage not in made.storages:
