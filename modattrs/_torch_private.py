@@ -275,12 +275,8 @@ def returns_aliases(func: OpOverload) -> bool:
     return any(result.alias_info is not None for result in func._schema.returns)
 
 
-#: aten's gamma and Dirichlet samplers, which ``torch.distributions`` draws through: underscore operators.
-#: Checked on 2.8 to 2.15.
 #: The operator behind ``Tensor.to`` when it copies: underscored, yet what every ``.to(device, dtype)`` dispatches.
 TO_COPY: OpOverload = torch.ops.aten._to_copy.default
-STANDARD_GAMMA: OpOverload = torch.ops.aten._standard_gamma.default
-SAMPLE_DIRICHLET: OpOverload = torch.ops.aten._sample_dirichlet.default
 
 
 def math_attention(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:

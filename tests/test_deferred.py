@@ -939,6 +939,51 @@ def test_draws_that_depend_on_fake_values_from_an_explicit_generator_raise() -> 
         deferred_init(Poisson)
 
 
+def assert_generator_as_after_eager(build: Callable[[], nn.Module], later: str = "later") -> None:
+    """``deferred_init(build)`` leaves the default CPU generator where eager construction does (its state, and a
+    draw from it); the parameter ``later``, made after the draws under test, materialized alone, and then the
+    whole module, get eager values, and the generator stays where eager code has it."""
+    torch.manual_seed(0)
+    eager = build()
+    state_after_eager, draw_after_eager = torch.get_rng_state(), torch.rand(5)
+    torch.manual_seed(0)
+    deferred = deferred_init(build)
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+    assert torch.equal(torch.rand(5), draw_after_eager)
+    assert_same_bits(getattr(eager, later), materialize_tensor(getattr(deferred, later)), later)
+    materialize_module(deferred)
+    assert_bit_identical(eager, deferred)
+    torch.manual_seed(0)
+    deferred = deferred_init(build)
+    materialize_module(deferred)
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+
+
+#: Random operations whose count of outputs depends on the values they read (draws.VALUE_DEPENDENT).
+VALUE_DEPENDENT_DRAWS: dict[str, Callable[[], Tensor]] = {
+    "rrelu of a construction-time constant": lambda: torch.nn.functional.rrelu(torch.arange(-5.0, 5.0), training=True),
+    "rrelu of a random tensor": lambda: torch.nn.functional.rrelu(torch.randn(10), training=True),
+    "rrelu in place": lambda: torch.nn.functional.rrelu(torch.randn(10), training=True, inplace=True),
+    "RReLU module": lambda: nn.RReLU().train()(torch.randn(3, 4) - 0.5),
+    "randint_like with a tensor high": lambda: torch.randint_like(
+        torch.empty(7, dtype=torch.int64), torch.tensor(1 << 30)
+    ),
+    "poisson": lambda: torch.poisson(torch.rand(6) * 20),
+}
+
+
+class ValueDependentDraw(nn.Module):
+    def __init__(self, draw: Callable[[], Tensor]) -> None:
+        super().__init__()
+        self.register_buffer("drawn", draw())
+        self.later = nn.Parameter(torch.randn(21))
+
+
+@pytest.mark.parametrize("case", VALUE_DEPENDENT_DRAWS)
+def test_a_draw_whose_count_depends_on_values_leaves_the_generator_where_eager_code_does(case: str) -> None:
+    assert_generator_as_after_eager(functools.partial(ValueDependentDraw, VALUE_DEPENDENT_DRAWS[case]))
+
+
 def test_a_generator_state_copied_while_recording_cannot_be_put_back() -> None:
     class CopiesState(nn.Module):
         def __init__(self) -> None:

@@ -452,6 +452,110 @@ def test_an_operation_whose_pattern_is_not_modelled_gets_none(
     assert draws.pattern(op, args, kwargs) is None
 
 
+# --- the catalogue: what decides how many outputs an operation takes ------------------------------------------------
+
+
+class RandomOps(TorchDispatchMode):
+    """Notes the random aten operations that run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ran: list[object] = []
+
+    def __torch_dispatch__(
+        self, func: object, types: object, args: tuple[object, ...] = (), kwargs: dict[str, object] | None = None
+    ) -> object:
+        if torch.Tag.nondeterministic_seeded in func.tags:  # type: ignore[attr-defined]
+            self.ran.append(func)
+        return func(*args, **(kwargs or {}))  # type: ignore[operator]
+
+
+def outputs_taken(call: Callable[[], object]) -> tuple[int, list[object]]:
+    """How many 32-bit outputs of the default CPU generator ``call`` takes (a copy of the state before it is moved
+    on one output at a time until it matches), and the random operations it ran."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)
+        before = torch.get_rng_state()
+        mode = RandomOps()
+        with mode:
+            call()
+        after = torch.get_rng_state()[: draws._CACHE_START]
+    copy = torch.Generator().set_state(before)
+    for taken in range(20_000):
+        if torch.equal(copy.get_state()[: draws._CACHE_START], after):
+            return taken, mode.ran
+        torch.empty((), dtype=torch.float32).random_(generator=copy)  # one output
+    raise AssertionError("took more than 20,000 outputs")
+
+
+def _probabilities(values: torch.Tensor) -> torch.Tensor:
+    return values.abs() / values.abs().max()
+
+
+#: Random calls on two inputs of one layout: ``(call, tame values, other values)``.
+CatalogueCase = tuple[Callable[[torch.Tensor], object], torch.Tensor, torch.Tensor]
+TAME = torch.full((3, 4), 0.5)
+WILD = torch.tensor([[-3.0, 0.0, 7.5, 1e-3], [40.0, -0.5, 2.0, 0.25], [0.9, 12.0, -8.0, 3.0]])
+#: Their counts depend on sizes only: the same on both inputs.
+SIZE_ONLY_CALLS: dict[str, CatalogueCase] = {
+    "bernoulli with tensor probabilities": (lambda v: torch.bernoulli(_probabilities(v)), TAME, WILD),
+    "bernoulli_ with tensor probabilities": (lambda v: torch.empty(3, 4).bernoulli_(_probabilities(v)), TAME, WILD),
+    "multinomial": (lambda v: torch.multinomial(_probabilities(v) + 0.1, 3), TAME, WILD),
+    "multinomial with replacement": (lambda v: torch.multinomial(_probabilities(v), 6, True), TAME, WILD),
+    "normal with tensor means and deviations": (lambda v: torch.normal(v, v.abs()), TAME, WILD),
+    "normal with tensor means": (lambda v: torch.normal(v.t(), 2.0), TAME, WILD),
+    "dropout": (lambda v: torch.nn.functional.dropout(v, 0.3), TAME, WILD),
+    "randn_like": (lambda v: torch.randn_like(v), TAME, WILD),
+    "randint_like with a number high": (lambda v: torch.randint_like(v.long(), 1 << 30), TAME, WILD),
+}
+#: Their counts depend on values: other counts on the two inputs.
+VALUE_DEPENDENT_CALLS: dict[str, CatalogueCase] = {
+    "rrelu in training": (lambda v: torch.nn.functional.rrelu(v, training=True), TAME, WILD),
+    "rrelu in training, in place": (
+        lambda v: torch.nn.functional.rrelu(v.clone(), training=True, inplace=True),
+        TAME,
+        WILD,
+    ),
+    "poisson": (lambda v: torch.poisson(v.abs()), TAME, WILD),
+    "binomial": (lambda v: torch.binomial(v.abs().round(), torch.full_like(v, 0.3)), TAME, WILD),
+    "gamma sampling": (lambda v: torch.distributions.Gamma(v.abs() + 0.1, 1.0).sample(), TAME, WILD),
+    "Dirichlet sampling": (lambda v: torch.distributions.Dirichlet(v.abs() + 0.1).sample(), TAME, WILD),
+    "randint_like with a tensor high": (  # from 2^28 on, two outputs an element
+        lambda v: torch.randint_like(v.long(), torch.tensor(10 if bool(v.max() < 1) else 1 << 30)),
+        TAME,
+        WILD,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", SIZE_ONLY_CALLS)
+def test_the_catalogue_knows_the_random_operations_whose_counts_depend_on_sizes_only(case: str) -> None:
+    call, tame, wild = SIZE_ONLY_CALLS[case]
+    (taken, ran), (other, ran_again) = outputs_taken(lambda: call(tame)), outputs_taken(lambda: call(wild))
+    assert taken == other
+    assert ran == ran_again
+    assert not [op for op in ran if draws.count_depends_on_values(op)]
+
+
+@pytest.mark.parametrize("case", VALUE_DEPENDENT_CALLS)
+def test_the_catalogue_knows_the_random_operations_whose_counts_depend_on_values(case: str) -> None:
+    call, tame, wild = VALUE_DEPENDENT_CALLS[case]
+    (taken, ran), (other, _) = outputs_taken(lambda: call(tame)), outputs_taken(lambda: call(wild))
+    assert taken != other
+    assert ran
+    assert all(draws.count_depends_on_values(op) for op in ran)
+
+
+def test_every_operator_the_catalogue_names_is_torchs_and_an_unknown_one_is_taken_to_depend_on_values() -> None:
+    for name in sorted(draws.SIZE_ONLY | draws.VALUE_DEPENDENT):
+        packet, _, overload = name.partition(".")
+        assert hasattr(aten, packet), name
+        assert not overload or overload in getattr(aten, packet).overloads(), name
+    assert not draws.SIZE_ONLY & {name.partition(".")[0] for name in draws.VALUE_DEPENDENT}
+    for unknown in (aten._fused_dropout.default, aten.rrelu_with_noise_backward.default, torch.rand):
+        assert draws.count_depends_on_values(unknown)
+
+
 def test_a_model_that_disagrees_with_torch_on_this_machine_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     # as if bernoulli_ took one output per element here (it takes two): the check against torch must refuse it
     monkeypatch.setattr(draws, "_CHECKED", {})

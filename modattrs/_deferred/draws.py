@@ -124,10 +124,34 @@ into a fresh tensor while any element is out of bounds; or ``uniform_`` candidat
 interval holds under 30% of the mass), so how many operations it runs depends on every element drawn so far; on 2.8
 it is ``uniform_`` then ``erfinv_``, one operation. And ``sparse_`` (all three builds) ignores its ``generator`` for
 ``randperm``, which draws from the default generator (not modelled).
+
+The catalogue: what decides how many outputs each random operation takes. A replay that reaches a draw it does
+not model runs the operation on stand-ins (``record.scratch_arguments``: tensors of the recorded sizes, strides
+and dtypes, holding ones), which takes what the real operation takes only when the count depends on nothing but
+those and the operation's other arguments. ``SIZE_ONLY`` names the aten operators (every overload) for which that
+holds in torch's CPU kernels, ``VALUE_DEPENDENT`` those for which it does not; ``count_depends_on_values`` answers
+for any operator, and takes an operator in neither (a new one, a custom one, a Python function) to depend on values.
+An operation whose count depends on the values of a fake tensor it reads is pinned by the recorder
+(``Op.pinned``): every replay, and every computation of the generator's state at a point of the record, runs it on
+the real values, never on stand-ins. Measured on 2.13 (counted as above, on inputs of one layout and different
+values) and read in ``Distributions.cpp``, ``DistributionKernels.cpp``, ``Activation.cpp`` (``rrelu``) and
+``Randperm.cpp``:
+
+- size only: every operation modelled above, in all its overloads (``out=`` ones too: they write a tensor of the
+  layout given, which the stand-in has); ``bernoulli`` with a tensor ``p`` (one draw per element whatever ``p``);
+  ``normal`` with tensor means or deviations (a ``normal_`` of the result, then arithmetic); ``multinomial``
+  (``exponential_`` of a tensor of the input's layout, or one double per sample with replacement; an input torch
+  refuses raises before drawing); ``randperm`` (a function of ``n``); the dropouts (``bernoulli_`` masks); and the
+  recurrent layers and attention, whose only draws are dropout masks;
+- value-dependent: ``rrelu_with_noise`` and the ``rrelu`` functions built on it (training: one double per element
+  that is not positive), ``poisson``, ``binomial``, ``_standard_gamma`` and ``_sample_dirichlet`` (rejection
+  sampling, whose count depends on the rates and on the numbers drawn), and ``randint_like`` with a tensor ``high``
+  (whose value decides whether an element takes one output or two).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -144,7 +168,17 @@ import torch
 from modattrs._deferred.mt19937 import FAR_JUMP_COST, jumped_state
 from modattrs._torch_private import FakeTensor, contiguous_strides
 
-__all__ = ["BLOCKS", "JUMP_COST", "PAIRS", "SERIAL", "Pattern", "pattern"]
+__all__ = [
+    "BLOCKS",
+    "JUMP_COST",
+    "PAIRS",
+    "SERIAL",
+    "SIZE_ONLY",
+    "VALUE_DEPENDENT",
+    "Pattern",
+    "count_depends_on_values",
+    "pattern",
+]
 
 #: Element ``i`` reads outputs ``[k i, k i + k)``.
 SERIAL: Final = "serial"
@@ -963,6 +997,51 @@ def _parsers() -> dict[str, _Parser]:
 
 _PARSERS: Final = _parsers()
 _OVERLOAD: Final = type(_aten.uniform_.default)  # torch's OpOverload, without naming its private module
+
+
+# --- the catalogue ---------------------------------------------------------------------------------------------------
+
+
+#: aten operators (all overloads) whose count of outputs is a function of their tensors' layouts and dtypes and
+#: their other arguments (module docstring).
+SIZE_ONLY: Final = frozenset(
+    {
+        "uniform", "uniform_", "normal", "normal_", "normal_functional", "log_normal", "log_normal_",
+        "cauchy", "cauchy_", "exponential", "exponential_", "geometric", "geometric_", "bernoulli", "bernoulli_",
+        "random", "random_", "rand", "rand_like", "randn", "randn_like", "randint", "randperm", "multinomial",
+        "native_dropout", "dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "feature_dropout",
+        "feature_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_", "rnn_relu", "rnn_tanh", "lstm", "gru",
+        "scaled_dot_product_attention", "_scaled_dot_product_attention_math",
+    }
+)  # fmt: skip
+#: aten operators whose count of outputs depends on the values of their tensor arguments; ``randint_like`` is
+#: listed by overload: only those with a tensor ``high`` are.
+VALUE_DEPENDENT: Final = frozenset(
+    {
+        "rrelu", "rrelu_", "rrelu_with_noise", "rrelu_with_noise_", "rrelu_with_noise_functional",
+        "poisson", "binomial", "_standard_gamma", "_sample_dirichlet",
+        "randint_like.Tensor", "randint_like.Tensor_generator", "randint_like.Tensor_out",
+        "randint_like.Tensor_generator_out",
+    }
+)  # fmt: skip
+
+
+def count_depends_on_values(op: object) -> bool:
+    """Whether how many outputs of the CPU generator ``op`` takes may depend on the values of its tensor arguments:
+    true for the operators ``VALUE_DEPENDENT`` names, false for those ``SIZE_ONLY`` names (and the other overloads
+    of ``randint_like``), and true for anything else (an operator the catalogue does not know, a Python function)."""
+    if not isinstance(op, _OVERLOAD):
+        return True
+    return _by_name(str(op))
+
+
+@functools.lru_cache(maxsize=256)
+def _by_name(name: str) -> bool:
+    """``count_depends_on_values`` of the aten overload called ``name`` (``aten.packet.overload``)."""
+    namespace, packet, overload = name.split(".")
+    if namespace != "aten" or packet in VALUE_DEPENDENT or f"{packet}.{overload}" in VALUE_DEPENDENT:
+        return True
+    return packet not in SIZE_ONLY and packet != "randint_like"
 
 
 # --- the check against torch -----------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from modattrs._deferred import generator
+from modattrs._deferred.draws import count_depends_on_values
 from modattrs._deferred.record import (
     NO_RESULTS,
     Constant,
@@ -51,8 +52,6 @@ from modattrs._fake import cuda_guard
 from modattrs._fake.mode import CONSTANT_LIMIT, ModattrsFakeTensorMode
 from modattrs._names import callable_name, where
 from modattrs._torch_private import (
-    SAMPLE_DIRICHLET,
-    STANDARD_GAMMA,
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensor,
@@ -720,21 +719,14 @@ def _advance(op: Op, generators: Mapping[int, torch.Generator]) -> None:
 
 
 def _reads_values(pending: _Pending) -> bool:
-    """Whether the operation draws as many numbers as the values of fake tensors say (opaque ones might)."""
-    value_dependent = pending.func in _VALUE_DEPENDENT_DRAWS or not isinstance(pending.func, OpOverload)
-    return value_dependent and any(not slot.written for slot in pending.slots)
+    """Whether the operation may draw as many numbers as the values of fake tensors say: its count depends on
+    values (``draws.count_depends_on_values``: opaque functions might), and it reads a fake tensor's values (an
+    argument it does not write, or one it writes in place without being a value writer: ``rrelu_with_noise_``
+    reads what it overwrites)."""
+    return count_depends_on_values(pending.func) and any(
+        not slot.written or not pending.value_writer for slot in pending.slots
+    )
 
-
-# Random operations that draw as many numbers as their inputs' values say.
-_VALUE_DEPENDENT_DRAWS = frozenset(
-    {
-        torch.ops.aten.poisson.default,
-        torch.ops.aten.binomial.default,
-        STANDARD_GAMMA,
-        SAMPLE_DIRICHLET,
-        torch.ops.aten.multinomial.default,
-    }
-)
 
 _MUTATED: dict[Any, tuple[tuple[int, str], ...]] = {}
 
