@@ -984,6 +984,33 @@ def test_a_draw_whose_count_depends_on_values_leaves_the_generator_where_eager_c
     assert_generator_as_after_eager(functools.partial(ValueDependentDraw, VALUE_DEPENDENT_DRAWS[case]))
 
 
+#: Random operations whose result takes the layout of a tensor they read; the layout decides the kernel's path
+#: (normal_ draws 16 at a time into a contiguous tensor, in pairs into any other) and so the generator's outputs.
+LAID_OUT_DRAWS: dict[str, Callable[[], Tensor]] = {
+    "randn_like of a transposed tensor": lambda: torch.randn_like(torch.empty(6, 5).t()),
+    "randn_like of a channels_last tensor": lambda: torch.randn_like(
+        torch.empty(2, 3, 4, 4).to(memory_format=torch.channels_last)
+    ),
+    "randn_like of a strided slice": lambda: torch.randn_like(torch.empty(40)[::2]),
+    "rand_like of a transposed double tensor": lambda: torch.rand_like(torch.empty(6, 5, dtype=torch.float64).t()),
+    "normal with transposed means": lambda: torch.normal(torch.zeros(6, 5).t(), 1.0),
+    "randn into a transposed out=": lambda: torch.randn(5, 6, out=torch.empty(6, 5).t()),
+    "log_normal_ of randn_like of a transposed tensor": lambda: torch.randn_like(torch.empty(6, 5).t()).log_normal_(),
+}
+
+
+class LaidOutDraw(nn.Module):
+    def __init__(self, draw: Callable[[], Tensor]) -> None:
+        super().__init__()
+        self.register_buffer("drawn", draw())
+        self.later = nn.Parameter(torch.randn(21))  # its values depend on how many outputs the draw took
+
+
+@pytest.mark.parametrize("case", LAID_OUT_DRAWS)
+def test_a_draw_laid_out_like_a_tensor_it_reads_leaves_the_generator_where_eager_code_does(case: str) -> None:
+    assert_generator_as_after_eager(functools.partial(LaidOutDraw, LAID_OUT_DRAWS[case]))
+
+
 def test_a_generator_state_copied_while_recording_cannot_be_put_back() -> None:
     class CopiesState(nn.Module):
         def __init__(self) -> None:

@@ -373,14 +373,23 @@ def scratch_arguments(
     op: Op, device: torch.device | None, memory: dict[int, torch.Tensor] | None = None
 ) -> dict[int, torch.Tensor]:
     """Stand-ins for an operation's fake arguments, to make it draw what it would draw: tensors of the same layout
-    for what it writes, whatever they hold, and ones for what it reads. ``memory`` (position -> bytes) lends the
-    written ones memory that earlier calls grew, so that a run of draws does not allocate (and fault in) its
-    scratch memory each time."""
+    (sizes and strides) for what it writes, whatever they hold, and ones of the same layout for what it reads.
+    ``memory`` (position -> bytes) lends the written ones memory that earlier calls grew, so that a run of draws
+    does not allocate (and fault in) its scratch memory each time.
+
+    A read argument's strides matter as much as a written one's: a ``*_like`` factory and ``TensorIterator``'s
+    outputs take the layout of what they read, and the layout decides the kernel's path (``randn_like`` of a
+    transposed tensor fills it with the scalar ``normal_`` path, a contiguous one with the block path: other
+    counts of the generator's outputs, see ``draws``).
+
+    Only operations whose draws depend on nothing but these layouts, the dtypes and the other arguments can be run
+    on stand-ins; those whose draws depend on values too are ``Op.pinned`` (``draws.VALUE_DEPENDENT``)."""
     tensors = {}
     for slot in op.slots:
         on = device or slot.device
         if not slot.written:
-            tensors[slot.index] = torch.ones(slot.size, dtype=slot.dtype, device=on)
+            ones = torch.ones(_extent(slot), dtype=slot.dtype, device=on)
+            tensors[slot.index] = ones.as_strided(slot.size, slot.stride)
         elif memory is None:
             tensors[slot.index] = torch.empty_strided(slot.size, slot.stride, dtype=slot.dtype, device=on)
         else:
@@ -388,10 +397,15 @@ def scratch_arguments(
     return tensors
 
 
+def _extent(slot: Slot) -> int:
+    """The elements of memory a tensor of ``slot``'s sizes and strides spans from offset 0."""
+    if not all(slot.size):
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(slot.size, slot.stride, strict=True))
+
+
 def _lent(memory: dict[int, torch.Tensor], slot: Slot, device: torch.device) -> torch.Tensor:
-    itemsize = slot.dtype.itemsize
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(slot.size, slot.stride, strict=True))
-    needed = (extent if all(slot.size) else 0) * itemsize
+    needed = _extent(slot) * slot.dtype.itemsize
     held = memory.get(slot.index)
     if held is None or held.device != device or held.numel() < needed:
         held = memory[slot.index] = torch.empty(needed, dtype=torch.uint8, device=device)

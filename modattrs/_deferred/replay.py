@@ -96,8 +96,14 @@ def _run_kept(
             assert parts is not None
             assert record is not None
             if not windows.run(op, index, on, parts, env, wanted, device, copies, walk, record.layouts):
+                # it only reads windows: run as usual, a draw from the state eager code drew it from
+                draws = walk.is_draw(index)
+                if draws:
+                    walk.before(index)
                 tensors = windows.window_arguments(op, parts, env)
                 _run(op, env, wanted, device, copies, tensors=tensors, func=unfilled.get(index))
+                if draws:
+                    walk.ran(index)
             for window in on:
                 if window.last == index:
                     window.release()
