@@ -66,6 +66,8 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
         DeferredInitError: the code reads values of its tensors (``.item()``, ``if t.any():``), which do not exist
             yet, or does something else that cannot be recorded; the message names the operation and where it ran.
         TypeError: ``module_fn`` did not return a module.
+
+    Raising, it leaves the default CPU generator as it found it.
     """
     if recording_in_this_thread():
         raise DeferredInitError(
@@ -73,25 +75,26 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
             "Build the inner module directly: everything inside the outer call is deferred already"
         )
     _torch_changes.install_deferred()
-    record = new_record()
-    mode = RecordingFakeTensorMode(record, _torch_changes.install_fake_cuda)
-    with recording(), mode.handed(handed_tensors(module_fn, args, kwargs)):
-        with mode, ValueReads():
-            module = module_fn(*args, **kwargs)
-            if isinstance(module, nn.Module):
-                detach_graphs(module)
-        mode.note_generator()  # a reseed after the last draw still sets where eager construction leaves it
-    if not isinstance(module, nn.Module):
-        raise TypeError(
-            f"deferred_init expects a function returning a module; {callable_name(module_fn)} returned "
-            f"a {type(module).__name__}"
-        )
-    for label, tensor in module_tensors(module):
-        if isinstance(tensor, FakeTensor):  # real tensors handed in stay as they are
-            ref_of(label, tensor)  # every fake one is accounted for now, not found missing at materialization
-    record.root = weakref.ref(module)
-    roots[module] = mode
-    generator.settle(record, state_after)  # the generator where eager construction leaves it, from now on
+    with generator.undone_on_failure():  # raising, it leaves the generator as it found it
+        record = new_record()
+        mode = RecordingFakeTensorMode(record, _torch_changes.install_fake_cuda)
+        with recording(), mode.handed(handed_tensors(module_fn, args, kwargs)):
+            with mode, ValueReads():
+                module = module_fn(*args, **kwargs)
+                if isinstance(module, nn.Module):
+                    detach_graphs(module)
+            mode.note_generator()  # a reseed after the last draw still sets where eager construction leaves it
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"deferred_init expects a function returning a module; {callable_name(module_fn)} returned "
+                f"a {type(module).__name__}"
+            )
+        for label, tensor in module_tensors(module):
+            if isinstance(tensor, FakeTensor):  # real tensors handed in stay as they are
+                ref_of(label, tensor)  # every fake one is accounted for now, not found missing at materialization
+        record.root = weakref.ref(module)
+        roots[module] = mode
+        generator.settle(record, state_after)  # the generator where eager construction leaves it, from now on
     return module
 
 

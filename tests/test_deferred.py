@@ -1011,6 +1011,46 @@ def test_a_draw_laid_out_like_a_tensor_it_reads_leaves_the_generator_where_eager
     assert_generator_as_after_eager(functools.partial(LaidOutDraw, LAID_OUT_DRAWS[case]))
 
 
+class BranchesOnADraw(nn.Module):
+    """Fails while recording: an ``if`` on a random tensor, after draws (and a reseed, with ``reseed``)."""
+
+    def __init__(self, reseed: bool = False) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        if reseed:
+            torch.manual_seed(123)
+        self.second = nn.Parameter(torch.randn(40))
+        if self.second.sum() > 0:
+            self.second.data.mul_(2)
+
+
+@pytest.mark.parametrize("reseed", [False, True], ids=["draws", "draws and a reseed"])
+def test_a_failed_deferred_init_leaves_the_generator_as_it_found_it(reseed: bool) -> None:
+    torch.manual_seed(0)
+    fallback_eager = nn.Linear(8, 8)
+    state_after_fallback = torch.get_rng_state()
+    torch.manual_seed(0)
+    with pytest.raises(DeferredInitError, match="needs the values"):
+        deferred_init(BranchesOnADraw, reseed)
+    fallback = nn.Linear(8, 8)  # what code falling back to eager construction builds
+    assert_bit_identical(fallback_eager, fallback)
+    assert torch.equal(torch.get_rng_state(), state_after_fallback)
+
+
+def test_a_failed_deferred_init_after_another_one_leaves_the_generator_where_the_first_left_it() -> None:
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 4)
+    state_after_eager, draw_after_eager = torch.get_rng_state(), torch.rand(3)
+    torch.manual_seed(0)
+    deferred = deferred_init(nn.Linear, 4, 4)
+    with pytest.raises(TypeError, match="function returning a module"):
+        deferred_init(lambda: torch.randn(5))  # type: ignore[arg-type, return-value]
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+    assert torch.equal(torch.rand(3), draw_after_eager)
+    materialize_module(deferred)
+    assert_bit_identical(eager, deferred)
+
+
 def test_a_generator_state_copied_while_recording_cannot_be_put_back() -> None:
     class CopiesState(nn.Module):
         def __init__(self) -> None:

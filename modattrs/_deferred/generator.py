@@ -11,7 +11,8 @@ the position back on the real state. The functions that do it are wrapped (by ``
 below) to see this, and each recorded draw also moves the real generator on by one draw of its own, so that a
 reseed through a name that is not wrapped still changes the state it finds (see ``drew``); and
 ``torch.get_rng_state`` tags the state it returns with the position, so that putting it back (``fork_rng`` does)
-returns to that point rather than to the stale state.
+returns to that point rather than to the stale state. A ``deferred_init`` that raises puts the generator back as it
+found it (``undone_on_failure``).
 
 Records. A record notes where the generator was when it began (``start``) and after its last draw (``point``). A
 draw from the default CPU generator notes where the generator was set to before it (``Op.reset``) when that is not
@@ -194,6 +195,30 @@ def saving(func: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 
 # --- what records note while recording --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def undone_on_failure() -> Iterator[None]:
+    """Put the default CPU generator back as it was, its state and its position, if the body raises: a
+    ``deferred_init`` whose construction raises leaves it as it found it. Recording moved it (each recorded draw
+    moves it on by one draw of its own, see ``drew``); where eager code would be, after the draws up to the
+    failure, is no state the caller could plan for. So a fallback built after the ``except`` gets the numbers it
+    would get had the failed call not been made."""
+    global epoch, _point, _point_state, _point_epoch
+    with lock:
+        saved = real_state()
+        at, saved_epoch = position(saved), epoch
+    try:
+        yield
+    except BaseException:
+        with lock:
+            _set_state(saved)
+            epoch = saved_epoch  # a reseed inside the failed call is undone with the rest
+            if isinstance(at, torch.Tensor):
+                _point = _point_state = None
+            else:
+                _point, _point_state, _point_epoch = at, saved, epoch
+        raise
 
 
 def new_record() -> Record:
