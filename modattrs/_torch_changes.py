@@ -28,6 +28,7 @@ from typing import Any, cast
 import torch
 
 from modattrs._deferred import generator
+from modattrs._deferred.replay import state_after
 from modattrs._fake import backward, cuda_guard, spoofed_cuda
 from modattrs._fake.mode import ModattrsFakeTensorMode, copy_constant_first
 from modattrs._torch_private import (
@@ -120,7 +121,7 @@ def install_deferred() -> None:
         for name, wrap in (
             ("manual_seed", generator.seeding),
             ("set_rng_state", generator.restoring),
-            ("get_rng_state", generator.saving),
+            ("get_rng_state", functools.partial(generator.saving, resolve=state_after)),
         ):
             _replace_under_both_names(name, wrap)
         _deferred_installed = True

@@ -1051,6 +1051,38 @@ def test_a_failed_deferred_init_after_another_one_leaves_the_generator_where_the
     assert_bit_identical(eager, deferred)
 
 
+class SavesTheGenerator(nn.Module):
+    """Takes ``torch.get_rng_state()`` between draws, keeps it, and puts it back later."""
+
+    saved: list[Tensor]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Parameter(torch.randn(5))
+        state = torch.get_rng_state()
+        SavesTheGenerator.saved.append(state)
+        self.second = nn.Parameter(torch.randn(21))
+        torch.set_rng_state(state)
+        self.again = nn.Parameter(torch.randn(21))
+
+
+def test_a_generator_state_taken_while_recording_holds_the_bytes_eager_code_gets() -> None:
+    SavesTheGenerator.saved = []
+    torch.manual_seed(0)
+    eager = SavesTheGenerator()
+    state_after_eager = torch.get_rng_state()
+    torch.manual_seed(0)
+    deferred = deferred_init(SavesTheGenerator)
+    eager_state, deferred_state = SavesTheGenerator.saved
+    assert not is_fake(deferred_state)
+    assert torch.equal(deferred_state, eager_state)
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+    torch.set_rng_state(deferred_state)  # later, outside the record: draws what eager code draws from there
+    assert torch.equal(torch.randn(21), eager.second.detach())
+    materialize_module(deferred)
+    assert_bit_identical(eager, deferred)
+
+
 def test_a_generator_state_copied_while_recording_cannot_be_put_back() -> None:
     class CopiesState(nn.Module):
         def __init__(self) -> None:

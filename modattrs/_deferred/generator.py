@@ -10,9 +10,9 @@ long as the real generator is untouched: ``torch.manual_seed`` or ``torch.set_rn
 the position back on the real state. The functions that do it are wrapped (by ``_torch_changes``, with the wrappers
 below) to see this, and each recorded draw also moves the real generator on by one draw of its own, so that a
 reseed through a name that is not wrapped still changes the state it finds (see ``drew``); and
-``torch.get_rng_state`` tags the state it returns with the position, so that putting it back (``fork_rng`` does)
-returns to that point rather than to the stale state. A ``deferred_init`` that raises puts the generator back as it
-found it (``undone_on_failure``).
+``torch.get_rng_state`` returns the state eager code has at the position, worked out by a replay of the record's
+draws up to it, tagged with the position, so that putting it back (``fork_rng`` does) returns to that point. A
+``deferred_init`` that raises puts the generator back as it found it (``undone_on_failure``).
 
 Records. A record notes where the generator was when it began (``start``) and after its last draw (``point``). A
 draw from the default CPU generator notes where the generator was set to before it (``Op.reset``) when that is not
@@ -176,9 +176,11 @@ def restoring(func: Callable[..., None]) -> Callable[..., None]:
     return restoring
 
 
-def saving(func: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``torch.get_rng_state`` (``func``), tagging the state it returns with the point the generator is at. Its
-    arguments (torch's takes none) are handed to ``func`` as given."""
+def saving(func: Callable[..., torch.Tensor], resolve: Resolve) -> Callable[..., torch.Tensor]:
+    """``torch.get_rng_state`` (``func``). At a point of a record, it returns the state eager code has there
+    (``resolve``, a replay of the record's draws up to that point: the real generator is elsewhere), tagged with
+    the point, so that putting it back returns there, and drawing from it gives eager code's numbers. Its arguments
+    (torch's takes none) are handed to ``func`` as given."""
 
     @functools.wraps(func)
     def saving(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -187,9 +189,11 @@ def saving(func: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         with lock:
             state = func(*args, **kwargs)
             at = position(state)
-            if not isinstance(at, torch.Tensor):
-                _tags[state] = at
-            return state
+            if isinstance(at, torch.Tensor):
+                return state
+            eager = resolve(at)  # a tensor of its own: the caller may change it
+            _tags[eager] = at
+            return eager
 
     return saving
 
