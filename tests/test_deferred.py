@@ -1011,6 +1011,22 @@ def test_a_draw_laid_out_like_a_tensor_it_reads_leaves_the_generator_where_eager
     assert_generator_as_after_eager(functools.partial(LaidOutDraw, LAID_OUT_DRAWS[case]))
 
 
+def test_a_torch_generator_passed_to_a_draw_laid_out_like_a_tensor_it_reads_ends_where_eager_code_leaves_it() -> None:
+    def build(generator: torch.Generator) -> nn.Module:
+        return LaidOutDraw(lambda: torch.randn_like(torch.empty(6, 5).t(), generator=generator))
+
+    generator = torch.Generator().manual_seed(5)
+    torch.manual_seed(0)
+    eager = build(generator)
+    after_eager = generator.get_state()
+    generator.manual_seed(5)
+    torch.manual_seed(0)
+    deferred = deferred_init(build, generator)
+    assert torch.equal(generator.get_state(), after_eager)  # advanced while recording, on stand-ins of its layout
+    materialize_module(deferred)
+    assert_bit_identical(eager, deferred)
+
+
 class BranchesOnADraw(nn.Module):
     """Fails while recording: an ``if`` on a random tensor, after draws (and a reseed, with ``reseed``)."""
 
