@@ -142,7 +142,8 @@ values) and read in ``Distributions.cpp``, ``DistributionKernels.cpp``, ``Activa
   ``normal`` with tensor means or deviations (a ``normal_`` of the result, then arithmetic); ``multinomial``
   (``exponential_`` of a tensor of the input's layout, or one double per sample with replacement; an input torch
   refuses raises before drawing); ``randperm`` (a function of ``n``); the dropouts (``bernoulli_`` masks); and the
-  recurrent layers and attention, whose only draws are dropout masks;
+  recurrent layers and attention, whose only draws are dropout masks (on the CPU and, read in their kernels, on
+  GPUs; ``_fused_sdp_choice`` and ``_nested_tensor_softmax_with_shape`` draw nothing);
 - value-dependent: ``rrelu_with_noise`` and the ``rrelu`` functions built on it (training: one double per element
   that is not positive), ``poisson``, ``binomial``, ``_standard_gamma`` and ``_sample_dirichlet`` (rejection
   sampling, whose count depends on the rates and on the numbers drawn), and ``randint_like`` with a tensor ``high``
@@ -1012,6 +1013,16 @@ SIZE_ONLY: Final = frozenset(
         "native_dropout", "dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "feature_dropout",
         "feature_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_", "rnn_relu", "rnn_tanh", "lstm", "gru",
         "scaled_dot_product_attention", "_scaled_dot_product_attention_math",
+        "_scaled_dot_product_flash_attention_for_cpu", "_fused_sdp_choice", "_nested_tensor_softmax_with_shape",
+        # GPU kernels (read, not measured: no GPU here), whose only draws are dropout masks from their device's
+        # generator; listed so that a fake forward pass through them is not pinned into every replay
+        "_fused_dropout", "_fill_mem_eff_dropout_mask_", "_cudnn_init_dropout_state", "_cudnn_rnn", "miopen_rnn",
+        "_lstm_mps", "_efficient_attention_forward", "_flash_attention_forward",
+        "_flash_attention_forward_no_dropout_inplace", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+        "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math_for_mps",
+        "_cudnn_attention_forward", "_cudnn_attention_backward", "_triton_scaled_dot_attention",
     }
 )  # fmt: skip
 #: aten operators whose count of outputs depends on the values of their tensor arguments; ``randint_like`` is
