@@ -547,7 +547,8 @@ def test_the_catalogue_knows_the_random_operations_whose_counts_depend_on_values
 
 
 def test_every_random_operator_of_this_torch_is_in_the_catalogue() -> None:
-    # a torch release adding one fails here: classify it (module docstring of draws), measuring its counts above
+    # A torch release adding one fails here: classify it (module docstring of draws), measuring its counts above.
+    # (A misspelt name in the catalogue leaves the operator it means out, and fails here too.)
     names = {schema.name.removeprefix("aten::") for schema in torch._C._jit_get_all_schemas()}
     random = set()
     for name in names:
@@ -560,13 +561,9 @@ def test_every_random_operator_of_this_torch_is_in_the_catalogue() -> None:
     assert sorted(random - catalogued) == []
 
 
-def test_every_operator_the_catalogue_names_is_torchs_and_an_unknown_one_is_taken_to_depend_on_values() -> None:
-    for name in sorted(draws.SIZE_ONLY | draws.VALUE_DEPENDENT):
-        packet, _, overload = name.partition(".")
-        assert hasattr(aten, packet), name
-        assert not overload or overload in getattr(aten, packet).overloads(), name
+def test_an_operator_the_catalogue_does_not_know_is_taken_to_depend_on_values() -> None:
     assert not draws.SIZE_ONLY & {name.partition(".")[0] for name in draws.VALUE_DEPENDENT}
-    for unknown in (aten.rrelu_with_noise_backward.default, torch.rand):
+    for unknown in (aten.rrelu_with_noise_backward.default, torch.rand, lambda tensor: tensor):
         assert draws.count_depends_on_values(unknown)
 
 
