@@ -222,6 +222,24 @@ def test_tensors_in_containers_and_views_of_buffers_are_materialized_and_stay_vi
     assert deferred.head.untyped_storage().data_ptr() == deferred.table.untyped_storage().data_ptr()
 
 
+class ViewsOfRegisteredViews(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        whole = torch.randn(12)
+        self.register_buffer("part", whole[:8])
+        self.register_buffer("grid", self.part.view(2, 4))
+        self.register_buffer("row", self.grid[1])  # made through two views
+
+
+def test_a_view_of_a_registered_view_materializes_as_eager_code_makes_it() -> None:
+    eager, materialized = eager_and_materialized(ViewsOfRegisteredViews)
+    assert_bit_identical(eager, materialized)
+    assert materialized.row.data_ptr() == materialized.part.data_ptr() + 4 * 4
+    materialized.row.fill_(7)
+    eager.row.fill_(7)
+    assert torch.equal(materialized.part, eager.part)
+
+
 def test_a_tensor_that_carried_a_graph_comes_back_as_its_value() -> None:
     deferred = materialize_module(deferred_init(ViewsAndGraphs))
     assert deferred.product.grad_fn is None
