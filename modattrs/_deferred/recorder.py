@@ -254,8 +254,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 raise DeferredInitError(
                     f"{callable_name(func)} was given a {type(value).__name__}, and deferred_init records strided "
                     f"tensors only.\nwhere: {where()}\n"
-                    "It records no storages (set_ with a storage; copy.deepcopy of a view at an offset) and no sparse "
-                    "tensors.\nDo this after materialize_module"
+                    "It records no storages (set_ with a storage) and no sparse tensors.\n"
+                    "Do this after materialize_module"
                 )
             if isinstance(value, FakeTensor):
                 ref, key = self._ref_of(value, func)
