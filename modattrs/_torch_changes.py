@@ -30,7 +30,7 @@ import torch
 from modattrs._deferred import generator
 from modattrs._deferred.replay import state_after
 from modattrs._fake import backward, cuda_guard, spoofed_cuda
-from modattrs._fake.mode import ModattrsFakeTensorMode, copy_constant_first
+from modattrs._fake.mode import ModattrsFakeTensorMode, deep_copy
 from modattrs._torch_private import (
     ENGINE_ENTRY,
     ENGINE_ENTRY_OWNERS,
@@ -99,10 +99,14 @@ def install() -> None:
         #    tensor, whose memory numpy then reads: real.numpy() and np.asarray(real) gave garbage, silently. Inside
         #    modattrs' fake modes a real tensor's numpy() runs outside them and returns its data, as tolist() does.
         _replace(torch.Tensor, "numpy", _numpy_of_real_tensors)
-        # 9. copy.deepcopy of a fake tensor deep-copies its __dict__ with the modes active, and the constant kept
-        #    there (a real tensor) cannot be deep-copied inside a fake mode (timm's pruned models copy BatchNorms):
-        #    FakeTensor gets a __deepcopy__ of its own, which copies a constant outside the modes first.
-        _replace(FakeTensor, "__deepcopy__", _deepcopy_copying_constants_first)
+        # 9. torch's copy.deepcopy of a fake tensor clones it, but sets a copied meta storage into a view at an
+        #    offset (which deferred_init cannot record): the copies of tensors sharing memory share none, unlike
+        #    eager copies. A real tensor's deep copy inside a fake mode fails (a meta tensor cannot take a real
+        #    storage). FakeTensor gets a __deepcopy__ of its own, and torch.Tensor's is wrapped: modattrs' fake
+        #    tensors, and real ones inside modattrs' fake modes, are copied as eager copies are, into fake tensors
+        #    (see Note [Deep copies that share memory as eager ones do] in _fake.mode).
+        _replace(FakeTensor, "__deepcopy__", _deepcopy_of_fakes)
+        _replace(torch.Tensor, "__deepcopy__", _deepcopy_of_reals_into_fakes)
         _base = True
 
 
@@ -288,12 +292,39 @@ def _numpy_of_real_tensors(original: Callable[..., Any]) -> Callable[..., Any]:
     return numpy
 
 
-def _deepcopy_copying_constants_first(original: Callable[..., Any]) -> Callable[..., Any]:
+def _deepcopy_of_fakes(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __deepcopy__(*args: Any, **kwargs: Any) -> Any:  # as given: torch's method takes and checks them
         memo = args[1] if len(args) > 1 else kwargs.get("memo")
-        if args and type(memo) is dict:
-            copy_constant_first(args[0], memo)
+        tensor = args[0] if args else None
+        if (
+            type(tensor) is FakeTensor
+            and type(memo) is dict
+            and tensor.is_leaf
+            and isinstance(tensor.fake_mode, ModattrsFakeTensorMode)
+        ):
+            return deep_copy(tensor, memo)
+        return original(*args, **kwargs)
+
+    return __deepcopy__
+
+
+def _deepcopy_of_reals_into_fakes(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __deepcopy__(*args: Any, **kwargs: Any) -> Any:  # as given: torch's method takes and checks them
+        memo = args[1] if len(args) > 1 else kwargs.get("memo")
+        tensor = args[0] if args else None
+        if (
+            dispatch_mode_count()
+            and type(tensor) is torch.Tensor
+            and type(memo) is dict
+            and tensor.is_leaf
+            and tensor.layout is torch.strided
+            and not tensor.is_quantized
+            and tensor.device.type != "meta"
+            and isinstance(active_fake_mode(), ModattrsFakeTensorMode)
+        ):
+            return deep_copy(tensor, memo)
         return original(*args, **kwargs)
 
     return __deepcopy__

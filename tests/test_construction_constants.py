@@ -331,3 +331,43 @@ def test_factories_of_python_numbers_make_what_eager_makes_for_every_type_of_num
                 assert made.device.type == again.device.type == device
     finally:
         torch.set_default_dtype(default)
+
+
+class _Viewed(nn.Module):
+    def __init__(self, view: str) -> None:
+        super().__init__()
+        whole = torch.arange(4.0)
+        self.register_buffer("whole", whole)
+        self.register_buffer("part", whole[1:3] if view == "slice" else whole.view(2, 2))
+
+
+#: What eager code gets: a copy's view, filled with 9, writes into the copy's buffer at its own offset.
+_EAGER_COPIES = {"slice": ([0.0, 9.0, 9.0, 3.0], 1), "view": ([9.0, 9.0, 9.0, 9.0], 0)}
+
+
+@pytest.mark.parametrize("view", ["slice", "view"])
+def test_a_deep_copy_keeps_a_view_a_view_of_the_copied_buffer_as_eager_copies_do(device: str, view: str) -> None:
+    original = _Viewed(view)
+    copied = copy.deepcopy(original)
+    copied.part.fill_(9)
+
+    assert (copied.whole.tolist(), copied.part.storage_offset()) == _EAGER_COPIES[view]
+    assert original.whole.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert is_fake(copied.part)
+    assert copied.part.device.type == device
+
+
+def test_a_deep_copy_of_real_tensors_inside_fake_mode_is_a_fake_copy_keeping_their_values_and_views() -> None:
+    real = torch.arange(6.0)
+    view = real[2:4]
+    large = torch.zeros(5000)
+
+    with fake_mode():
+        copied, copied_view, copied_large = copy.deepcopy([real, view, large])
+        assert all(is_fake(t) for t in (copied, copied_view, copied_large))
+        assert copied_view.tolist() == [2.0, 3.0]
+        copied_view.fill_(5)
+        assert copied.tolist() == [0.0, 1.0, 5.0, 5.0, 4.0, 5.0]
+        assert copied_large.shape == (5000,)
+
+    assert real.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]

@@ -222,6 +222,24 @@ def test_tensors_in_containers_and_views_of_buffers_are_materialized_and_stay_vi
     assert deferred.head.untyped_storage().data_ptr() == deferred.table.untyped_storage().data_ptr()
 
 
+class ViewsOfRegisteredViews(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        whole = torch.randn(12)
+        self.register_buffer("part", whole[:8])
+        self.register_buffer("grid", self.part.view(2, 4))
+        self.register_buffer("row", self.grid[1])  # made through two views
+
+
+def test_a_view_of_a_registered_view_materializes_as_eager_code_makes_it() -> None:
+    eager, materialized = eager_and_materialized(ViewsOfRegisteredViews)
+    assert_bit_identical(eager, materialized)
+    assert materialized.row.data_ptr() == materialized.part.data_ptr() + 4 * 4
+    materialized.row.fill_(7)
+    eager.row.fill_(7)
+    assert torch.equal(materialized.part, eager.part)
+
+
 def test_a_tensor_that_carried_a_graph_comes_back_as_its_value() -> None:
     deferred = materialize_module(deferred_init(ViewsAndGraphs))
     assert deferred.product.grad_fn is None
@@ -513,6 +531,93 @@ def test_materializing_twice_repeats_the_same_values() -> None:
     materialize_module(first)
     materialize_module(second)
     assert_bit_identical(first, second)
+
+
+class ViewingOneAnother(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        whole = torch.arange(8.0)
+        self.register_buffer("whole", whole)
+        self.register_buffer("grid", whole.view(2, 4))
+        self.register_buffer("middle", whole[2:6])
+        self.linear = nn.Linear(3, 3)
+
+
+class ViewingATiedWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("rows", self.embed.weight.detach()[3:5])
+
+
+def offsets(module: nn.Module) -> dict[str, int]:
+    return {name: tensor.storage_offset() for name, tensor in tensors_of(module).items()}
+
+
+def assert_copies_materialize_as_eager_copies(
+    build: Callable[[], nn.Module], write: Callable[[nn.Module], None]
+) -> None:
+    """A deferred model and its deep copy, materialized (the copy first), hold the eager model's and its deep copy's
+    values, sharing memory where they do at the same offsets, and stay so after ``write`` changes both in place."""
+    torch.manual_seed(0)
+    eager = build()
+    eager_copy = copy.deepcopy(eager)
+    state_after_eager = torch.get_rng_state()
+    torch.manual_seed(0)
+    deferred = deferred_init(build)
+    copied = copy.deepcopy(deferred)
+    materialize_module(copied)
+    materialize_module(deferred)
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+    for expected, got in ((eager, deferred), (eager_copy, copied)):
+        assert_bit_identical(expected, got)
+        assert offsets(got) == offsets(expected)
+        write(expected)
+        write(got)
+        assert_bit_identical(expected, got)
+
+
+def test_a_deep_copy_of_a_deferred_model_materializes_views_in_the_copied_memory_of_what_they_view() -> None:
+    def write(module: nn.Module) -> None:
+        module.grid[1].fill_(9)
+        module.middle.mul_(3)
+
+    assert_copies_materialize_as_eager_copies(ViewingOneAnother, write)
+
+
+def test_a_deep_copy_of_a_deferred_model_holding_a_view_of_a_tied_weight_at_an_offset_materializes_as_eager_does() -> (
+    None
+):
+    def write(module: nn.Module) -> None:
+        module.rows.fill_(9)
+        with torch.no_grad():
+            module.head.weight.add_(1)
+
+    assert_copies_materialize_as_eager_copies(ViewingATiedWeight, write)
+
+
+class CopyingGivenTensors(nn.Module):
+    def __init__(self, given: list[Tensor]) -> None:
+        super().__init__()
+        whole, part = copy.deepcopy(given)
+        self.register_buffer("whole", whole)
+        self.register_buffer("part", part)
+
+
+def test_a_deep_copy_of_real_tensors_inside_deferred_init_materializes_as_an_eager_copy_of_them() -> None:
+    given = torch.arange(6.0)
+    eager = CopyingGivenTensors([given, given[2:4]])
+    deferred = deferred_init(CopyingGivenTensors, [given, given[2:4]])
+    assert is_deferred(deferred.part)
+    materialize_module(deferred)
+
+    assert_bit_identical(eager, deferred)
+    assert offsets(deferred) == offsets(eager)
+    deferred.part.fill_(9)
+    assert deferred.whole.tolist() == [0.0, 1.0, 9.0, 9.0, 4.0, 5.0]
+    assert given.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
 
 
 PEAK_MEMORY = """

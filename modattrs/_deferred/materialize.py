@@ -20,6 +20,7 @@ from modattrs._module_tensors import join, own_tensors, user_attributes
 from modattrs._names import in_library
 from modattrs._torch_private import (
     FakeTensor,
+    address_of,
     disable_current_modes,
     dtensor_local,
     fsdp_padded_shards,
@@ -148,17 +149,33 @@ def _recurrent_weights_released(scope: list[nn.Module], tensors: list[tuple[str,
             rebuild_rnn_weights(layer)
 
 
+# Note [A view holds what it was made from]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch's autograd keeps, on a view of a tensor subclass (a fake tensor is one), a function that makes the view again
+# from its base, and that function holds the tensor the view was made from and, through the functions of that
+# tensor's own view information, every view between it and the base (measured on torch 2.13: `b = a.view(5, 1)` of
+# `a = t[:5]` holds `a` once and `t` twice; `t`, once more through its view information, as every view holds its
+# base twice). torch.utils.swap_tensors refuses a tensor held by anything but its Python object, so a module holding
+# a view of a registered view (`a` and `b` above) would be refused if these references were not counted, and `a`
+# can only be swapped once `b`'s fake half is gone. The recorder notes, for each view it sees made, the tensor it was
+# made from (`RecordingFakeTensorMode.made_through`); the check counts one reference per chosen view made through a
+# tensor, and the swap takes the views made through the most views first.
+
+
 def _check_swappable(tensors: list[tuple[str, FakeTensor]]) -> None:
     """Raise for a tensor that torch.utils.swap_tensors would refuse, once torch's own fake tensor memo (which holds
     weak references to some) has let go of it."""
     views_of: dict[int, int] = {}
+    held_by_views: dict[int, int] = {}  # by address: how many chosen views were made through it
     by_mode: dict[int, tuple[RecordingFakeTensorMode, list[FakeTensor]]] = {}
     for _, tensor in tensors:
+        mode = recording_mode(tensor)
+        assert mode is not None
         base = view_base_of(tensor)
         if base is not None:
             views_of[id(base)] = views_of.get(id(base), 0) + 1
-        mode = recording_mode(tensor)
-        assert mode is not None
+            for source in mode.made_through(tensor):
+                held_by_views[source] = held_by_views.get(source, 0) + 1
         by_mode.setdefault(id(mode), (mode, []))[1].append(tensor)
     for mode, held in by_mode.values():
         mode.forget(held)
@@ -168,9 +185,14 @@ def _check_swappable(tensors: list[tuple[str, FakeTensor]]) -> None:
                 f"{label} cannot be made real in place: something holds a weak reference to it.\n"
                 "torch.utils.swap_tensors refuses such tensors: drop the weak reference first"
             )
-        # A fake view holds its base twice (the view's and its meta tensor's view information); the views are
-        # swapped first and let go of it.
-        allowed = 1 + 2 * views_of.get(id(tensor), 0) + (1 if tensor.is_leaf and tensor.requires_grad else 0)
+        # A fake view holds its base twice, and the views it was made through once (see Note [A view holds what it
+        # was made from]); the views are swapped first and let go of them.
+        allowed = (
+            1
+            + 2 * views_of.get(id(tensor), 0)
+            + held_by_views.get(address_of(tensor), 0)
+            + (1 if tensor.is_leaf and tensor.requires_grad else 0)
+        )
         if use_count(tensor) > allowed:
             _let_go_of_errors_read_values()
         if use_count(tensor) > allowed:
@@ -207,8 +229,9 @@ def _clear_library_frames(traceback: types.TracebackType | None) -> None:
 
 
 def _swap(swaps: list[tuple[str, FakeTensor, Tensor]]) -> None:
-    """Swap each real twin into its fake tensor object: views first, then the tensors they view."""
-    swaps.sort(key=lambda swap: view_base_of(swap[1]) is None)
+    """Swap each real twin into its fake tensor object: views first, those made through the most views first (see
+    Note [A view holds what it was made from]), then the tensors they view."""
+    swaps.sort(key=_swap_order)
     while swaps:
         label, tensor, twin = swaps.pop(0)
         hooks = hooks_of(tensor)
@@ -220,6 +243,15 @@ def _swap(swaps: list[tuple[str, FakeTensor, Tensor]]) -> None:
             ) from error
         del twin  # now the fake half: let go of it, and of the base it may hold
         restore_hooks(tensor, hooks)  # they live on the tensor's autograd data, which the swap replaced
+
+
+def _swap_order(swap: tuple[str, FakeTensor, Tensor]) -> tuple[bool, int]:
+    tensor = swap[1]
+    if view_base_of(tensor) is None:
+        return True, 0
+    mode = recording_mode(tensor)
+    depth = 0 if mode is None else len(mode.made_through(tensor))
+    return False, -depth
 
 
 def _real_twin(label: str, fake: FakeTensor, real: Tensor, device: torch.device | None) -> Tensor:

@@ -64,6 +64,7 @@ from modattrs._torch_private import (
     forget_fakes,
     tree_flatten,
     version_of,
+    view_base_of,
     written_arguments,
 )
 
@@ -92,6 +93,9 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         # Storages of fake tensors that view real ones (``given.view(2, 2)``), with the real tensor: a write through
         # one of them would change the real tensor in eager code, so it is refused, naming the real tensor.
         self._real_views: dict[int, _Real] = {}
+        # By the address of each fake tensor a view operation made: the address of the tensor it was made from (see
+        # Note [A view holds what it was made from]).
+        self._view_sources: dict[int, int] = {}
 
     def _fake_cuda_for(self, func: Callable[..., Any]) -> None:
         """A record that asks for CUDA on a build of torch without it gets fake CUDA, as torchdistx's did: what
@@ -149,6 +153,11 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 self._depth.n = 0
             if needs_values:
                 raise _needs_values(callable_name(func))
+            if isinstance(func, OpOverload) and func.is_view and args and isinstance(args[0], FakeTensor):
+                source = address_of(args[0])
+                for leaf in tree_flatten(result)[0]:
+                    if isinstance(leaf, FakeTensor):
+                        self._view_sources[address_of(leaf)] = source
             self._finish(pending, result)
         return result
 
@@ -193,6 +202,22 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             key = self._key_of(tensor)
             return self.record.keys.get(key), key[0]
 
+    def made_through(self, view: FakeTensor) -> list[int]:
+        """The addresses of the views ``view`` was made through, from the last to the first: the tensors between its
+        base and it, which it holds (see Note [A view holds what it was made from]). Empty for a view of its base, or
+        where the record does not know."""
+        base = view_base_of(view)
+        if base is None:
+            return []
+        root = address_of(base)
+        chain: list[int] = []
+        with generator.lock:
+            source = self._view_sources.get(address_of(view))
+            while source is not None and source != root and source not in chain:
+                chain.append(source)
+                source = self._view_sources.get(source)
+        return chain if source == root else []
+
     def storage_of(self, tensor: FakeTensor) -> int:
         with generator.lock:
             return self._storage_of(tensor)
@@ -228,8 +253,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 raise DeferredInitError(
                     f"{callable_name(func)} was given a {type(value).__name__}, and deferred_init records strided "
                     f"tensors only.\nwhere: {where()}\n"
-                    "It records no storages (set_ with a storage; copy.deepcopy of a view at an offset) and no sparse "
-                    "tensors.\nDo this after materialize_module"
+                    "It records no storages (set_ with a storage) and no sparse tensors.\n"
+                    "Do this after materialize_module"
                 )
             if isinstance(value, FakeTensor):
                 ref, key = self._ref_of(value, func)

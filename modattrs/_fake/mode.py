@@ -32,6 +32,7 @@ The process-wide changes that fake mode needs are made by ``_torch_changes``.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import types
@@ -499,7 +500,7 @@ def _plain_fake(tensor: object, mode: FakeTensorMode) -> bool:
 # constants hidden from torch (whose own propagation would make CPU fakes where CUDA ones belong, and memoize them
 # under weak references), and the real one on the CPU. A write with anything that is not a constant, a random
 # operation, or a view that cannot hold the values makes the constant and its aliases forget their values. A deep copy
-# of a constant holds a copy of its values (``copy_constant_first``).
+# of a constant holds a copy of its values (``deep_copy``).
 
 
 def _factory(
@@ -890,22 +891,127 @@ def _storage(tensor: torch.Tensor) -> int:
     return storage.data_ptr() if storage.nbytes() else -id(tensor)
 
 
-def copy_constant_first(fake: torch.Tensor, memo: dict[int, Any]) -> None:
-    """Before ``copy.deepcopy`` copies ``fake``: a copy of its constant, made outside every mode, in ``memo``.
+# Note [Deep copies that share memory as eager ones do]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Eager copy.deepcopy of a tensor copies its storage through the memo, once per storage, and sets the copy to the
+# tensor's offset, sizes and strides in the copied storage: tensors sharing memory (a buffer and a view of it) give
+# copies sharing the copied memory, at the same offsets. A parameter copies its data by clone (nn.Parameter's own
+# __deepcopy__), memory of its own; a meta tensor, with no storage to copy, by clone too. torch's method copies a
+# fake tensor by clone(), unless its data pointer is not 0 (a view at an offset), where it sets a copied meta storage
+# into it: the copies of a buffer and its view shared nothing, and deferred_init, which records no storages, refused
+# the second way. modattrs' fake tensors are copied as eager ones: the first tensor met on a storage copies all of it
+# (a clone of it if it covers its storage, else a clone of an as_strided view of the whole storage), kept in the memo
+# under the storage, and every tensor on that storage is an as_strided view of that copy at its own place. These are
+# torch operations, which fake mode runs and deferred_init records (so a copy materializes as eager's copy does). A
+# real tensor deep-copied inside modattrs' fake modes is copied the same way into a fake tensor, as every other
+# operation on a real tensor there makes a fake one (torch's own fake mode fails on it: its meta tensor cannot take
+# a real storage). A constant (see "Construction-time constants") is copied the same way outside every mode, so the
+# copies' values share memory as the copies do; a real tensor's values become its copy's constant, when small.
 
-    torch's ``Tensor.__deepcopy__`` copies a fake by ``clone()``, then deep-copies its ``__dict__``, constant
-    included, with the modes still active; there the deep copy of a real tensor makes a fake to set the copied
-    storage into, and fails (while recording, deferred_init refuses the storage). Found in the memo, the constant
-    is not copied again. Each copy has values of its own, as it has a fake storage of its own.
-    """
-    if type(fake) is not FakeTensor or id(fake) in memo or not isinstance(fake.fake_mode, ModattrsFakeTensorMode):
-        return
-    constant = fake.constant
-    if constant is None or id(constant) in memo:
-        return
+#: Keys of modattrs' tables in deepcopy's memo (torch keeps its own under "__torch__"): by the address of a storage
+#: met, the storage (kept alive) and the fake copy of all of it; and the same for the real storages of constants.
+_COPIED_STORAGES = "modattrs: fake copies of storages"
+_COPIED_CONSTANTS = "modattrs: copies of constants' storages"
+
+
+def deep_copy(tensor: torch.Tensor, memo: dict[Any, Any]) -> torch.Tensor:
+    """``copy.deepcopy`` of a fake tensor of modattrs' modes (a graph leaf), or of a plain real tensor inside one: see
+    Note [Deep copies that share memory as eager ones do]."""
+    if id(tensor) in memo:
+        copied: torch.Tensor = memo[id(tensor)]
+        return copied
+    fake = type(tensor) is FakeTensor
+    # A real tensor's values are its copy's constant, when small.
+    constant = tensor.constant if isinstance(tensor, FakeTensor) else tensor if _usable_real(tensor) else None
+    with torch.no_grad():
+        # Memory of its own, as eager copies: a parameter's (nn.Parameter's __deepcopy__ clones), a meta tensor's, and
+        # that of a tensor with the conjugate or negative bit (resolved into new memory).
+        own_memory = (fake and (isinstance(tensor, torch.nn.Parameter) or tensor.device.type == "meta")) or (
+            tensor.is_conj() or tensor.is_neg()
+        )
+        copied = _hiding_constants(tensor.clone, tensor) if own_memory else _copied_in_place(tensor, memo)
+        if tensor.requires_grad:
+            copied.requires_grad_()
+        if tensor.grad is not None:
+            copied.grad = copy.deepcopy(tensor.grad, memo)
+    tensor._clear_non_serializable_cached_data()  # type: ignore[no-untyped-call]
+    state = {name: value for name, value in vars(tensor).items() if name != "constant"}
+    vars(copied).update(copy.deepcopy(state, memo))
+    if type(copied) is FakeTensor and isinstance(copied.fake_mode, ModattrsFakeTensorMode):
+        if constant is None or copied.device.type == "meta":
+            copied.constant = None
+        elif own_memory:
+            with DisableTorchFunction(), DisableTorchDispatch():
+                copied.constant = constant.clone()
+        else:
+            _copy_constant(copied, constant, memo)
+    memo[id(tensor)] = copied
+    return copied
+
+
+def _copied_in_place(tensor: torch.Tensor, memo: dict[Any, Any]) -> torch.Tensor:
+    """The copy of ``tensor`` at its place in the copy of its storage, made the first time that storage is met."""
+    storages: dict[int, tuple[torch.UntypedStorage, torch.Tensor]] = memo.setdefault(_COPIED_STORAGES, {})
+    storage = tensor.untyped_storage()
+    met = storages.get(address_of(storage))
+    if met is None:
+        if (
+            tensor.storage_offset() == 0
+            and tensor.is_contiguous()
+            and tensor.numel() * tensor.element_size() == storage.nbytes()
+        ):
+            # The tensor covers its storage: its clone is the copy of all of it, and the copy of it when it has its
+            # strides (a dimension of size 1 may have any stride, and the clone takes the usual one).
+            whole = _hiding_constants(tensor.clone, tensor)
+            storages[address_of(storage)] = (storage, whole)
+            if whole.shape == tensor.shape and whole.stride() == tensor.stride():
+                return whole
+            met = storages[address_of(storage)]
+        else:
+            elements = storage.nbytes() // tensor.element_size()
+            if type(tensor) is FakeTensor:
+                all_of_it = _hiding_constants(tensor.as_strided, tensor, (elements,), (1,), 0)
+            else:  # a real view, outside the modes: its copy, below, is the fake mode's
+                with DisableTorchFunction(), DisableTorchDispatch():
+                    all_of_it = tensor.as_strided((elements,), (1,), 0)
+            met = storages[address_of(storage)] = (storage, all_of_it.clone())
+    copied_storage = met[1]
+    if copied_storage.dtype != tensor.dtype:
+        copied_storage = _hiding_constants(copied_storage.view, copied_storage, tensor.dtype)
+    return _hiding_constants(
+        copied_storage.as_strided, copied_storage, tensor.shape, tensor.stride(), tensor.storage_offset()
+    )
+
+
+def _hiding_constants(method: Callable[..., torch.Tensor], tensor: torch.Tensor, *args: Any) -> torch.Tensor:
+    """``method(*args)`` of ``tensor``, a fake tensor whose constant, if any, is hidden: the copies get theirs from
+    ``_copy_constant``, whose values share memory as the copies do."""
+    held = [tensor] if type(tensor) is FakeTensor and tensor.constant is not None else []
+    with _Hidden(held):
+        return method(*args)
+
+
+def _copy_constant(copied: FakeTensor, constant: torch.Tensor, memo: dict[Any, Any]) -> None:
+    """Give ``copied`` a copy of ``constant``, at its place in a copy of the constant's storage, made once per storage
+    outside every mode, as eager copy.deepcopy makes it; copies sharing that storage are noted as aliases, so that a
+    write through one that leaves no values makes all forget theirs."""
+    copies: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage, list[FakeTensor]]]
+    copies = memo.setdefault(_COPIED_CONSTANTS, {})
+    storage = constant.untyped_storage()
     with DisableTorchFunction(), DisableTorchDispatch():
-        memo[id(constant)] = constant.clone()
-    memo.setdefault(id(memo), []).append(constant)  # copy's keep-alive list: the id stays the constant's
+        met = copies.get(address_of(storage))
+        if met is None:
+            met = copies[address_of(storage)] = (storage, storage.clone(), [])  # type: ignore[no-untyped-call]
+        values = torch.empty((0,), dtype=constant.dtype)
+        values.set_(met[1], constant.storage_offset(), constant.shape, constant.stride())
+    copied.constant = values
+    sharing = met[2]
+    sharing.append(copied)
+    mode = copied.fake_mode
+    if len(sharing) == 2:
+        note_constant_alias(mode, sharing[0])
+    if len(sharing) >= 2:
+        note_constant_alias(mode, copied)
 
 
 # --- what is still refused -------------------------------------------------------------------------------------------
