@@ -1,36 +1,46 @@
 """Deferred initialization materialized block by block, the way FSDP2 flows do, against eager construction.
 
-Run with ``python benchmarks/blockwise.py`` (needs ``transformers``). For transformers' ``LlamaForCausalLM``
-(hidden 512, 8 layers; ``post_init`` redraws every weight after construction) and a plain-torch decoder of the
-same shape, it prints the time of materializing every decoder block, then the rest, in construction order and in
-reverse order, and of one full ``materialize_module``, each as a ratio against eager construction with the same
-seed, measured alternately in the same process; and the most memory that remembered generator states took.
+Run with ``python benchmarks/blockwise.py`` (needs ``transformers``, but for ``--growth``). For transformers'
+``LlamaForCausalLM`` (hidden 512, 8 layers; ``post_init`` redraws every weight after construction) and a
+plain-torch decoder of the same shape, it prints the time of materializing every decoder block, then the rest, in
+construction order and in reverse order, and of one full ``materialize_module``, each as a ratio against eager
+construction with the same seed, measured alternately in the same process; and the most memory that remembered
+generator states took.
 Every materialized model is checked to equal the eager one, bit for bit.
+
+Then, at two sizes of a model of many small blocks, how the cost grows with the model (issue 34): an
+initialization applied to a deferred model (``model.apply(init)``, ``normal_`` and ``uniform_`` per layer of
+``Sequential(Linear(4, 4) x N)``) against the same on an eager model, and block by block materialization of
+``N`` blocks of ``Linear(16, 64)`` and ``Linear(64, 16)`` in both shapes users write (``materialize_module(block)``
+per block; ``materialize_module(model, check_fn=...)`` per block, torchdistx's and FSDP1's rule), then the rest,
+against eager construction. A ratio that stays flat from the smaller size to the larger one is a cost linear in
+the model. ``python benchmarks/blockwise.py --growth`` runs only these.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import time
 from collections.abc import Callable, Iterator
 
 import torch
+from _timing import collected
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from modattrs._deferred import generator
 from modattrs._deferred.materialize import roots
 from modattrs.deferred import deferred_init, materialize_module
 
-LLAMA = LlamaConfig(
-    hidden_size=512,
-    intermediate_size=1376,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    vocab_size=32000,
-)
+LLAMA = {  # keyword arguments of transformers' LlamaConfig
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+}
 TARGETS = {"in order": 1.3, "reverse order": 2.0, "whole model": 1.1}
 
 
@@ -54,7 +64,9 @@ class Decoder(nn.Module):
 
 
 def llama() -> nn.Module:
-    return LlamaForCausalLM(LLAMA)
+    from transformers import LlamaConfig, LlamaForCausalLM  # imported here: --growth runs without it
+
+    return LlamaForCausalLM(LlamaConfig(**LLAMA))
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -136,12 +148,121 @@ def runs(build: Callable[[], nn.Module], repeats: int) -> Iterator[str]:
         yield f"  remembered generator states, {name}: at most {peak / 1024:.0f} KiB"
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    for label, build in (("LlamaForCausalLM, hidden 512, 8 layers", llama), ("plain-torch decoder", Decoder)):
-        print(label)
-        for line in runs(build, repeats=5):
+# --- how the cost grows with the model --------------------------------------------------------------------------------
+
+
+def cpu_seconds(fn: Callable[[], object]) -> float:
+    """The CPU time of this thread for one call of ``fn`` (waiting for a core on a busy machine does not count),
+    from a collected heap."""
+    with collected():
+        start = time.thread_time()
+        fn()
+        return time.thread_time() - start
+
+
+def linears(depth: int) -> nn.Module:
+    return nn.Sequential(*(nn.Linear(4, 4) for _ in range(depth)))
+
+
+def initialize(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight)
+        nn.init.uniform_(module.bias)
+
+
+def initialization_runs(depth: int, repeats: int) -> str:
+    """``model.apply(initialize)`` on a deferred model against the same on an eager one, alternately."""
+    eager_times, deferred_times = [], []
+    for _ in range(repeats):
+        torch.manual_seed(0)
+        eager = linears(depth)
+        eager_times.append(cpu_seconds(lambda eager=eager: eager.apply(initialize)))  # type: ignore[misc]
+        after_eager = torch.get_rng_state()
+        torch.manual_seed(0)
+        model = deferred_init(linears, depth)
+        deferred_times.append(cpu_seconds(lambda model=model: model.apply(initialize)))  # type: ignore[misc]
+        if not torch.equal(torch.get_rng_state(), after_eager):
+            raise AssertionError("the generator is not where eager initialization leaves it")
+    eager_s, deferred_s = statistics.median(eager_times), statistics.median(deferred_times)
+    return (
+        f"  {depth:>4} layers: deferred {deferred_s:7.3f} s, eager {eager_s:7.4f} s = {deferred_s / eager_s:6.1f}x, "
+        f"{deferred_s / depth * 1e3:.2f} ms a layer"
+    )
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 64)
+        self.down = nn.Linear(64, 16)
+
+
+def pairs(depth: int) -> nn.Module:
+    return nn.Sequential(*(Pair() for _ in range(depth)))
+
+
+def each_block(model: nn.Module) -> None:
+    for block in model:
+        materialize_module(block)
+    materialize_module(model)
+
+
+def each_block_by_check_fn(model: nn.Module) -> None:
+    for block in model:
+        members = set(block.modules())
+        materialize_module(model, check_fn=members.__contains__)
+    materialize_module(model)
+
+
+SHAPES: dict[str, Callable[[nn.Module], None]] = {
+    "materialize_module(block)": each_block,
+    "materialize_module(model, check_fn=...)": each_block_by_check_fn,
+}
+
+
+def block_runs(depth: int, repeats: int) -> Iterator[str]:
+    """Block by block materialization, in each shape, against eager construction, alternately."""
+    torch.manual_seed(0)
+    expected = pairs(depth)
+    eager_times: list[float] = []
+    shape_times: dict[str, list[float]] = {name: [] for name in SHAPES}
+    for _ in range(repeats):
+        torch.manual_seed(0)
+        eager_times.append(cpu_seconds(lambda: pairs(depth)))
+        for name, shape in SHAPES.items():
+            torch.manual_seed(0)
+            model = deferred_init(pairs, depth)
+            shape_times[name].append(cpu_seconds(lambda shape=shape, model=model: shape(model)))  # type: ignore[misc]
+            check_equal(model, expected)
+    eager = statistics.median(eager_times)
+    yield f"  {depth:>4} blocks: eager construction {eager:.4f} s"
+    for name, times in shape_times.items():
+        seconds = statistics.median(times)
+        yield f"    {name:<42} {seconds:7.3f} s = {seconds / eager:6.1f}x, {seconds / depth * 1e3:.2f} ms a block"
+
+
+def growth(repeats: int) -> None:
+    print("model.apply(init) on a deferred Sequential(Linear(4, 4) x N), against the same on an eager one")
+    for depth in (150, 600):
+        print(initialization_runs(depth, repeats))
+    print("block by block: N blocks of Linear(16, 64) + Linear(64, 16), then the rest, against eager construction")
+    for depth in (150, 400):
+        for line in block_runs(depth, repeats):
             print(line)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--growth", action="store_true", help="only how the cost grows with the model")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each growth measurement (median)")
+    arguments = parser.parse_args()
+    torch.set_num_threads(1)
+    if not arguments.growth:
+        for label, build in (("LlamaForCausalLM, hidden 512, 8 layers", llama), ("plain-torch decoder", Decoder)):
+            print(label)
+            for line in runs(build, repeats=5):
+                print(line)
+    growth(arguments.repeats)
 
 
 if __name__ == "__main__":

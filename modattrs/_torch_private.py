@@ -398,6 +398,32 @@ def use_count(tensor: torch.Tensor) -> int:
     return count
 
 
+def storage_use_count(storage: torch.UntypedStorage) -> int | None:
+    """How many references the C++ side holds to a storage: one per tensor on it, and one for its Python object
+    (one per storage: torch keeps it as long as the storage lives, or as long as Python holds it). None where this
+    torch counts otherwise, or has no such function. No public API; checked on 2.13."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None or not _storage_references_are_tensors_and_one_object(count):
+        return None
+    used: int = count(storage._cdata)
+    return used
+
+
+@functools.cache
+def _storage_references_are_tensors_and_one_object(count: Callable[[int], int]) -> bool:
+    """Whether ``count`` (torch's ``_storage_Use_Count``) counts a storage's references as ``storage_use_count``
+    says: tried once, on a meta tensor and an alias of it."""
+    tensor = torch.empty(2, device="meta")
+    storage = tensor.untyped_storage()
+    if tensor.untyped_storage() is not storage:
+        return False
+    alone = count(storage._cdata)
+    alias = tensor.detach()
+    with_alias = count(storage._cdata)
+    del alias
+    return alone == 2 and with_alias == 3 and count(storage._cdata) == 2
+
+
 def hooks_of(tensor: torch.Tensor) -> tuple[Any, Any]:
     """A tensor's backward hooks and post-accumulate-grad hooks (None where it has none). They live on its autograd
     data, which ``swap_tensors`` replaces: no public API moves them. Checked on 2.8 to 2.15."""

@@ -2,16 +2,19 @@
 
 Replays remember the generator states they pass, and a draw whose result is overwritten whole before anything
 reads it (a constructor's initialization that ``post_init`` redraws) runs only as a draw. The cost is counted in
-calls of a registered opaque initializer, which every replay, real or only drawing, calls once per recorded call.
+calls of a registered opaque initializer, which every replay, real or only drawing, calls once per recorded call,
+and in reads of recorded operations and visits of modules, which must grow with the model as the work does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from torch import Tensor, nn
 
 from modattrs._deferred import generator
 from modattrs._deferred.materialize import roots
+from modattrs._deferred.record import Op
 from modattrs.deferred import (
     deferred_init,
     is_deferred,
@@ -208,3 +212,144 @@ def test_materializing_in_any_order_and_mix_gives_the_eager_values_and_generator
         assert torch.equal(tensor, expected[name]), name
     assert model.head.weight is model.embed.weight
     assert torch.equal(torch.get_rng_state(), state_after_eager)
+
+
+# --- work that stays linear in the model's size -------------------------------------------------------------------
+# Counted, not timed: how many times an operation of a record is looked at (any read of a recorded Op's fields), and
+# how many modules walks of the module tree visit. A cost that grows with the model at every block or every draw
+# grows fourfold per block here when the model is four times larger, the work in all sixteenfold.
+
+
+class Work:
+    def __init__(self) -> None:
+        self.operations_read = 0
+        self.modules_visited = 0
+
+
+@contextlib.contextmanager
+def counted_work(monkeypatch: pytest.MonkeyPatch) -> Iterator[Work]:
+    work = Work()
+    read = Op.__getattribute__
+    walk = nn.Module.named_modules
+
+    def reading(op: Op, name: str) -> Any:
+        work.operations_read += 1
+        return read(op, name)
+
+    def walking(module: nn.Module, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Module]]:
+        for found in walk(module, *args, **kwargs):
+            work.modules_visited += 1
+            yield found
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Op, "__getattribute__", reading)
+        patched.setattr(nn.Module, "named_modules", walking)
+        yield work
+
+
+def linears(depth: int) -> nn.Module:
+    return nn.Sequential(*(nn.Linear(4, 4) for _ in range(depth)))
+
+
+def initialize(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight)
+        nn.init.uniform_(module.bias)
+
+
+def work_to_initialize(depth: int, monkeypatch: pytest.MonkeyPatch) -> Work:
+    torch.manual_seed(0)
+    eager = linears(depth).apply(initialize)
+    after_eager = torch.get_rng_state()
+    torch.manual_seed(0)
+    model = deferred_init(linears, depth)
+    with counted_work(monkeypatch) as work:
+        model.apply(initialize)
+    assert torch.equal(torch.get_rng_state(), after_eager)  # each draw put the generator where eager code has it
+    materialize_module(model)
+    for (name, real), expected in zip(model.state_dict().items(), eager.state_dict().values(), strict=True):
+        assert torch.equal(real, expected), name
+    return work
+
+
+def test_initializing_a_deferred_model_with_apply_does_work_linear_in_its_layers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    small, large = work_to_initialize(20, monkeypatch), work_to_initialize(80, monkeypatch)
+    assert large.operations_read <= 6 * small.operations_read, (small.operations_read, large.operations_read)
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 8)
+        self.down = nn.Linear(8, 4)
+
+
+def pairs(depth: int) -> nn.Module:
+    return nn.Sequential(*(Pair() for _ in range(depth)))
+
+
+def work_to_materialize_block_by_block(depth: int, shape: str, monkeypatch: pytest.MonkeyPatch) -> Work:
+    torch.manual_seed(0)
+    eager = pairs(depth)
+    torch.manual_seed(0)
+    model = deferred_init(pairs, depth)
+    with counted_work(monkeypatch) as work:
+        for block in model:
+            if shape == "each block":
+                materialize_module(block)
+            else:
+                materialize_module(model, check_fn=lambda module, block=block: module in (block, block.up, block.down))
+        materialize_module(model)
+    for (name, real), expected in zip(model.state_dict().items(), eager.state_dict().values(), strict=True):
+        assert torch.equal(real, expected), name
+    return work
+
+
+@pytest.mark.parametrize("shape", ["each block", "check_fn"])
+def test_materializing_block_by_block_does_work_linear_in_the_blocks(
+    shape: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    small = work_to_materialize_block_by_block(20, shape, monkeypatch)
+    large = work_to_materialize_block_by_block(80, shape, monkeypatch)
+    assert large.operations_read <= 6 * small.operations_read, (small.operations_read, large.operations_read)
+    if shape == "each block":  # check_fn is called with every submodule, at every call: torchdistx's rule
+        assert large.modules_visited <= 6 * small.modules_visited, (small.modules_visited, large.modules_visited)
+
+
+class Holder(nn.Module):
+    """Blocks, and a module outside them holding tensors that share memory with a block's weight: the block
+    materialized alone takes them along, so that they stay aliased, and only a search of the whole model finds them.
+    """
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Pair() for _ in range(3)), nn.LSTM(4, 4))
+        self.outside = nn.Module()
+        weight = self.blocks[1].up.weight
+        if how == "data":
+            self.outside.register_buffer("kept", weight.data)
+        elif how == "view":
+            self.outside.register_buffer("kept", weight.detach()[2:5])
+        else:  # tied
+            self.outside.kept = weight
+
+
+@pytest.mark.parametrize("how", ["data", "view", "tied"])
+def test_a_block_materialized_alone_takes_along_what_other_modules_hold_of_its_memory(how: str) -> None:
+    torch.manual_seed(0)
+    eager = Holder(how)
+    torch.manual_seed(0)
+    model = deferred_init(Holder, how)
+    materialize_module(model.blocks[1])
+    materialize_module(model.blocks[3])  # a recurrent layer holds weak references to its weights
+    kept, weight = model.outside.kept, model.blocks[1].up.weight
+    assert not is_fake(kept)
+    assert is_fake(model.blocks[0].up.weight)
+    assert kept.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+    assert torch.equal(kept, eager.outside.kept)
+    assert torch.equal(weight, eager.blocks[1].up.weight)
+    for real, expected in zip(model.blocks[3].parameters(), eager.blocks[3].parameters(), strict=True):
+        assert torch.equal(real, expected)
+    model.blocks[3](torch.ones(2, 4))  # its weight list was made again from the real weights

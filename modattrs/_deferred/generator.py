@@ -28,7 +28,10 @@ generator is put where eager code would have it: past every draw of the record, 
 counts and by running on scratch tensors what it does not (``trunc_normal_``, ``randperm``: as a replay to the end
 would). Code that draws before materializing (a new head, a data order, a dropout mask) then gets eager code's
 numbers, and a record so settled is replayed without touching the generator: a full materialization leaves it
-where it finds it, which is where eager code has it. Until then (while ``deferred_init`` records, and for a
+where it finds it, which is where eager code has it. Settling after a draw starts from the state before it (the
+draw's reset: the generator was settled after the previous one), so that it costs that one draw, not a walk of the
+record (Note [Slicing from the needed tensors] in ``replay``): ``model.apply(init)`` on a deferred model stays
+linear in its draws. Until then (while ``deferred_init`` records, and for a
 record drawn into from inside another ``deferred_init``) the position is a point, as described above.
 
 Note [Reaching a draw by jumping]) and otherwise by running them on scratch tensors of the same layout,
@@ -65,7 +68,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from modattrs._deferred import draws
 from modattrs._deferred.mt19937 import jumped_state
-from modattrs._deferred.record import DeferredInitError, Op, Point, Position, Record, draws_on_cpu, scratch_arguments
+from modattrs._deferred.record import DeferredInitError, Op, Point, Position, Record, scratch_arguments
 from modattrs._torch_private import FakeTensor, disable_current_modes
 
 __all__: list[str] = []
@@ -291,9 +294,10 @@ class Walk:
     def __init__(self, record: Record, device: torch.device | None, resolve: Resolve) -> None:
         self.record = record
         self.device = device
-        self.draws = [index for index in record.default_draws if draws_on_cpu(record.ops[index], device)]
-        self.drawing = frozenset(self.draws)  # is_draw, asked of every kept operation
-        self.resets = [index for index in self.draws if record.ops[index].reset is not None]
+        # The record's own lists (draws_on_cpu of each, noted as it was recorded), read and never changed here: a
+        # walk, made for every replay and for each draw an initialization of a deferred module records (settle),
+        # costs what it walks, not a pass over every draw.
+        self.draws, self.resets = _draws_for(record, device)
         self.states = record.states.setdefault("" if device is None else str(device), {})
         self.live: int | None = None  # the generator holds the state after the first `live` operations ...
         self.pending = 0  # ... but for this many outputs, which it is yet to be jumped over
@@ -303,7 +307,8 @@ class Walk:
         self._patterns: dict[int, draws.Pattern | None] = {}  # by draw: see pattern_of
 
     def is_draw(self, index: int) -> bool:
-        return index in self.drawing
+        at = bisect.bisect_left(self.draws, index)
+        return at < len(self.draws) and self.draws[at] == index
 
     def before(self, index: int) -> None:
         """Set the generator to the state the draw at ``index`` draws from in eager code."""
@@ -426,18 +431,22 @@ class Walk:
         self._jump_pending()
         if self.live is not None and self.live not in self.states:
             self.states[self.live] = _get_state()
-        drawn, dead = self.record.drawn, None
+        drawn, dead, draws = self.record.drawn, None, self.draws
         for start, end in itertools.pairwise([*sorted(self.states), len(self.record.ops) + 1]):
-            between = self.draws[bisect.bisect_left(self.draws, start) : bisect.bisect_left(self.draws, end)]
-            if not between:
-                continue
-            rest = [index for index in between if index not in drawn]
-            if rest:
+            # Looked at one by one up to the first that a replay may still need: the draws after where this one
+            # stopped are the next block's, and a walk costs what it walks.
+            rest = (draws[at] for at in range(bisect.bisect_left(draws, start), bisect.bisect_left(draws, end)))
+            needed = False
+            for index in rest:
+                if index in drawn:
+                    continue
                 if dead is None:  # worked out only then: a whole materialization has drawn every draw
                     dead = self.record.dead_writes()
-                if not dead.issuperset(rest):
-                    continue
-            del self.states[start]
+                if index not in dead:
+                    needed = True
+                    break
+            if not needed:
+                del self.states[start]
 
     def _nearest_known(self, count: int) -> int:
         """The latest point at or before ``count`` whose state is known: 0 (the start), a remembered state, a reset,
@@ -465,6 +474,16 @@ class Walk:
 
     def _state_of(self, position: Position) -> torch.Tensor:
         return position if isinstance(position, torch.Tensor) else self._resolve(position)
+
+
+def _draws_for(record: Record, device: torch.device | None) -> tuple[list[int], list[int]]:
+    """The operations of ``record`` that draw from the default CPU generator when replayed on ``device`` (None:
+    where they were recorded), and those of them with a reset: ``draws_on_cpu`` of each, as the record noted them."""
+    if device is None:
+        return record.cpu_draws, record.cpu_resets
+    if device.type == "cpu":
+        return record.default_draws, record.default_resets
+    return [], []
 
 
 # The patterns of calls seen before, by what decides them (``_call_key``): a model's identical layers make the same

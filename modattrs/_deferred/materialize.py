@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from modattrs._attribute import own_attributes
+from modattrs._attribute import any_bound, own_attributes
 from modattrs._deferred.record import DeferredInitError
 from modattrs._deferred.recorder import RecordingFakeTensorMode, value_read_errors
 from modattrs._deferred.replay import replay
@@ -30,6 +30,7 @@ from modattrs._torch_private import (
     release_rnn_weights,
     restore_hooks,
     rnn_flat_weights,
+    storage_use_count,
     torch_tensor_fields,
     use_count,
     view_base_of,
@@ -75,15 +76,18 @@ def _replay_and_swap(
     groups = _by_record(chosen)
     if root_mode is not None:
         groups.setdefault(id(root_mode), (root_mode, {}))  # even with nothing left, the generator is set
-    scope = [] if module is None else list(module.modules())
+    tops = [] if module is None else [module]  # the scope: these modules and their submodules
     for mode, tensors in groups.values():
         recorded_root = mode.record.root() if mode.record.root is not None else None
         if recorded_root is not None:
             _add_aliases(tensors, mode, recorded_root, walked=full and recorded_root is module)
             if recorded_root is not module:
-                scope.extend(recorded_root.modules())
+                tops.append(recorded_root)
     refs = {key: refs_of(label, tensor) for _, tensors in groups.values() for key, (label, tensor) in tensors.items()}
     everything = [entry for _, tensors in groups.values() for entry in tensors.values()]
+    # See Note [Block by block without walking the model]: the scope is walked only when something is to be found.
+    weakly_held = any(weakref.getweakrefcount(tensor) for _, tensor in everything)
+    scope = [found for top in tops for found in top.modules()] if weakly_held or any_bound() else []
     with _recurrent_weights_released(scope, everything):
         _check_swappable(everything)
         saved = torch.default_generator.get_state()
@@ -120,14 +124,39 @@ def _by_record(chosen: list[tuple[str, FakeTensor]]) -> dict[int, tuple[Recordin
 def _add_aliases(tensors: Chosen, mode: RecordingFakeTensorMode, root: nn.Module, *, walked: bool) -> None:
     """Add the root's tensors that share storage with a chosen one: materialized apart, they would stop aliasing.
     ``walked``: the chosen ones are all of the root's own tensors (``materialize_module`` of the whole root), so that
-    only what FSDP2 keeps beside them is left to look at."""
+    only what FSDP2 keeps beside them is left to look at.
+
+    Note [Block by block without walking the model]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    ``materialize_module(block)`` must not walk the whole model at every block: block by block, that is quadratic
+    in the blocks. A tensor can only share storage with a chosen one if it holds a reference to that storage, and
+    torch counts them: one per tensor on it, and one for its Python object, which the record keeps
+    (``storage_use_count``). When every chosen storage has no reference but those, no other tensor, in the root
+    or anywhere, shares it, and the root is not walked; otherwise (a view, a ``.data`` kept as a buffer, a
+    leftover of the constructor still alive, or a torch that counts otherwise) it is, as before. The scope's walk
+    for recurrent layers and for modattrs attributes to refresh is skipped likewise when no chosen tensor is
+    weakly referenced (a recurrent layer holds its weights so) and no attribute is bound to any live module.
+    """
     storages = {mode.storage_of(tensor) for _, tensor in tensors.values()}
+    if _alone_on_their_storages(tensors):
+        return
     found = fsdp_tensors(root) if walked else module_tensors(root)
     for label, tensor in found:
         if id(tensor) in tensors or not isinstance(tensor, FakeTensor) or tensor.fake_mode is not mode:
             continue
         if mode.storage_of(tensor) in storages:
             tensors[id(tensor)] = (label, tensor)
+
+
+def _alone_on_their_storages(tensors: Chosen) -> bool:
+    """Whether nothing but the chosen tensors, and their storages' Python objects, which the record keeps, holds a
+    reference to their storages (see Note [Block by block without walking the model])."""
+    on_storage: dict[int, tuple[torch.UntypedStorage, int]] = {}
+    for _, tensor in tensors.values():
+        storage = tensor.untyped_storage()
+        held = on_storage.get(address_of(storage))
+        on_storage[address_of(storage)] = (storage, 1 if held is None else held[1] + 1)
+    return all(storage_use_count(storage) == count + 1 for storage, count in on_storage.values())
 
 
 @contextlib.contextmanager

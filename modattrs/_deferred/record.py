@@ -308,7 +308,14 @@ class Record:
     devices: set[torch.device] = field(default_factory=set)  # of the operations' tensor and device arguments
     collectives: list[int] = field(default_factory=list)  # the operations that are collectives, in order
     default_draws: list[int] = field(default_factory=list)  # the operations that draw from a default generator
+    default_resets: list[int] = field(default_factory=list)  # those of them with a reset (Op.reset)
+    cpu_draws: list[int] = field(default_factory=list)  # those of them that ran on the CPU (draws_on_cpu)
+    cpu_resets: list[int] = field(default_factory=list)  # those of the CPU draws with a reset
     touching: dict[int, list[int]] = field(default_factory=dict)  # storage -> the operations that touch it (Op.touched)
+    # For slicing without a pass over every operation (Note [Slicing from the needed tensors] in replay):
+    writing: dict[int, list[int]] = field(default_factory=dict)  # storage -> the operations that write it (Op.writes)
+    returning: dict[int, list[int]] = field(default_factory=dict)  # ref -> the operations returning it (Op.out_refs)
+    pinned: list[int] = field(default_factory=list)  # the operations that are pinned (Op.pinned)
     filling_factories: list[int] = field(default_factory=list)  # zeros, new_ones, ... (see replay._dead_fills)
     root: weakref.ref[torch.nn.Module] | None = None  # what deferred_init returned
     # Per replay device ("" for the recorded devices): the CPU generator's state after the first n operations,

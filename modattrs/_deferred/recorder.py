@@ -43,6 +43,7 @@ from modattrs._deferred.record import (
     Results,
     Slot,
     call_of,
+    draws_on_cpu,
     plain_call,
     results_of,
     scratch_arguments,
@@ -412,8 +413,10 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
     def _append(self, op: Op) -> None:
         """Append ``op`` to the record, noting what replays would otherwise find in a pass over the record: the
         devices it names and whether it is a collective (``replay._check_devices``, ``replay._refuse_collectives``),
-        whether it draws from a default generator (``generator.Walk``), the storages it touches (``windows``), and
-        whether it is a factory that fills what it makes (``replay._dead_fills``)."""
+        whether it draws from a default generator and from a reset (``generator.Walk``), the storages it touches
+        (``windows``), what it writes and returns and whether it is pinned (``replay._slice``), and whether it is a
+        factory that fills what it makes (``replay._dead_fills``). Each replay, and each draw recorded after
+        ``deferred_init`` returned, then costs what it uses of the record, not a pass over all of it."""
         record, index = self.record, len(self.record.ops)
         op.call = call_of(op)
         record.devices.update([slot.device for slot in op.slots])
@@ -422,10 +425,24 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             record.collectives.append(index)
         if op.draws is Draws.DEFAULT:
             record.default_draws.append(index)
+            on_cpu = draws_on_cpu(op, None)
+            if on_cpu:
+                record.cpu_draws.append(index)
+            if op.reset is not None:
+                record.default_resets.append(index)
+                if on_cpu:
+                    record.cpu_resets.append(index)
+        if op.pinned:
+            record.pinned.append(index)
         if op.func in UNFILLED:
             record.filling_factories.append(index)
         for storage in op.touched:
             record.touching.setdefault(storage, []).append(index)
+        for storage in op.writes:
+            record.writing.setdefault(storage, []).append(index)
+        for ref in set(op.out_refs):
+            if ref is not None:
+                record.returning.setdefault(ref, []).append(index)
         record.ops.append(op)
 
     def _name_results(

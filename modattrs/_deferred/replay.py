@@ -14,7 +14,9 @@ generator, the replay asks it to set the state eager code drew from. Operations 
 
 from __future__ import annotations
 
+import bisect
 import functools
+import heapq
 from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -44,7 +46,7 @@ def replay(
     back as it was.
     """
     with generator.replaying(record, device, state_after, to_end=to_end) as walk:
-        sliced = _slice(record.ops, targets)
+        sliced = _slice(record, targets)
         _check_devices(record, sliced.kept, device)
         _refuse_collectives(record, sliced.kept, targets, labels)
         env: dict[int, torch.Tensor] = {}
@@ -59,8 +61,7 @@ def state_after(point: Point) -> torch.Tensor:
     """The default CPU generator's state after the first ``count`` operations of ``record`` drew, as in eager code."""
     record, count = point
     with generator.replaying(record, None, state_after, to_end=False) as walk:
-        ops = record.ops[:count]
-        _run_kept(ops, _slice(ops, {}), {}, None, walk)  # draws that depend on values run for real
+        _run_kept(record.ops, _slice(record, {}, count), {}, None, walk)  # draws that depend on values run for real
         walk.reach(count)
         return generator.real_state()
 
@@ -135,7 +136,13 @@ def _dead_fills(record: Record, kept: list[int]) -> dict[int, OpOverload]:
     ops, layouts = record.ops, record.layouts
     kept_ones = set(kept)
     dead: dict[int, OpOverload] = {}
-    for index in record.filling_factories:
+    # The kept ones among them: from the shorter list (a replay of one block keeps few of a large model's).
+    factories = (
+        record.filling_factories
+        if len(record.filling_factories) <= len(kept)
+        else [index for index in kept if ops[index].func in UNFILLED]
+    )
+    for index in factories:
         factory = ops[index]
         if index not in kept_ones or len(factory.out_refs) != 1 or factory.out_refs[0] not in layouts:
             continue
@@ -160,13 +167,48 @@ class Slice(NamedTuple):
     wanted: set[int]  # the refs a kept operation reads, and the targets
 
 
-def _slice(ops: list[Op], targets: Mapping[int, int]) -> Slice:
-    """The operations to keep for ``targets`` (see the module's docstring), and when what they make is last read."""
+def _slice(record: Record, targets: Mapping[int, int], count: int | None = None) -> Slice:
+    """The operations among the first ``count`` of ``record`` (all of them by default) to keep for ``targets`` (see
+    the module's docstring), and when what they make is last read.
+
+    Note [Slicing from the needed tensors]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    The walk backwards looks only at the operations that a rule could keep: the pinned ones, and, once a ref or a
+    storage is needed, the earlier operations that return that ref or write that storage (the record lists them
+    as it grows: ``Record.returning``, ``Record.writing``), taken latest first from a heap. Any other operation
+    returns no needed ref and writes no needed storage, so no rule keeps it: the slice is the one a pass over every
+    operation gives. A replay of one block of a large model, and the generator's settling after each draw of an
+    initialization applied to a deferred model (``state_after``), then cost what they keep, not the whole record.
+    Each ref's and each storage's operations are queued once, when it is first needed: the walk goes backwards, so
+    a storage needed again later in the walk (after an overwrite ended its need) has its earlier writers queued
+    already.
+    """
+    end = len(record.ops) if count is None else count
+    ops = record.ops
     needed_refs = set(targets)
     needed_storages = set(targets.values())
     kept: list[int] = []
     frees: dict[int, list[int]] = {}
-    for index in range(len(ops) - 1, -1, -1):
+    latest_first: list[int] = []  # a heap of negated indices
+    queued: set[int] = set()
+    refs_queued: set[int] = set()
+    storages_queued: set[int] = set()
+
+    def queue(indices: list[int], before: int) -> None:
+        for index in indices[: bisect.bisect_left(indices, before)]:
+            if index not in queued:
+                queued.add(index)
+                heapq.heappush(latest_first, -index)
+
+    queue(record.pinned, end)
+    for ref in needed_refs:
+        refs_queued.add(ref)
+        queue(record.returning.get(ref, []), end)
+    for storage in needed_storages:
+        storages_queued.add(storage)
+        queue(record.writing.get(storage, []), end)
+    while latest_first:
+        index = -heapq.heappop(latest_first)
         op = ops[index]
         keep = (
             op.pinned
@@ -177,10 +219,17 @@ def _slice(ops: list[Op], targets: Mapping[int, int]) -> Slice:
             kept.append(index)
             needed_storages.difference_update(op.overwrites)  # what was written there before is dead
             needed_storages.update(op.reads)
+            for storage in op.reads:
+                if storage not in storages_queued:
+                    storages_queued.add(storage)
+                    queue(record.writing.get(storage, []), index)
             for ref in op.in_refs:
                 if ref not in needed_refs:  # read by no later kept operation: freed after this one
                     needed_refs.add(ref)
                     frees.setdefault(index, []).append(ref)
+                if ref not in refs_queued:
+                    refs_queued.add(ref)
+                    queue(record.returning.get(ref, []), index)
     kept.reverse()
     return Slice(kept, frees, needed_refs)
 

@@ -210,11 +210,11 @@ def plan(
     if device is not None and device.type != "cpu":
         return {}
     layouts = record.layouts
-    touching: dict[int, list[int]] = {}  # the kept operations that touch each storage
-    kept_ones = set(kept)
-    for storage, indices in record.touching.items():
-        if touched := [index for index in indices if index in kept_ones]:
-            touching[storage] = touched
+    touching: dict[int, list[int]] = {}  # the kept operations that touch each storage, in the record's order
+    for index in kept:  # not a pass over record.touching: a replay of one block keeps few of a large model's
+        for storage in record.ops[index].touched:
+            touching.setdefault(storage, []).append(index)
+    touching = {storage: touching[storage] for storage in sorted(touching, key=_first_touch(record))}
     spans: dict[int, list[range]] = {}
     whole: set[int] = set()  # storages a target holds in a layout the record does not know
     for ref, storage in targets.items():
@@ -234,6 +234,17 @@ def plan(
         if storage not in spans:
             window.host = _host(record, window, touching, windows)
     return windows
+
+
+def _first_touch(record: Record) -> Callable[[int], tuple[int, int]]:
+    """A sort key putting storages in the order ``record.touching`` has them: of the operation that touched each
+    first, then of that operation's ``touched``."""
+
+    def first_touch(storage: int) -> tuple[int, int]:
+        first = record.touching[storage][0]
+        return first, list(record.ops[first].touched).index(storage)
+
+    return first_touch
 
 
 def _host(record: Record, window: Window, touching: Mapping[int, list[int]], windows: Container[int]) -> Host | None:
