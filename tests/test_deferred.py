@@ -380,17 +380,63 @@ def test_values_copied_in_after_deferred_init_are_replayed() -> None:
     assert torch.equal(deferred.weight, weight)
 
 
-def test_a_real_tensor_changed_after_being_recorded_raises_and_leaves_the_module_fake() -> None:
-    weight = torch.randn(4, 4)
-    deferred = deferred_init(nn.Linear, 4, 4)
-    with torch.no_grad():
-        deferred.weight.copy_(weight)
-    weight.add_(1)
+CHECKPOINT_CHANGES: dict[str, Callable[[Tensor], object]] = {
+    "through .data": lambda tensor: tensor.data.mul_(0),
+    "through a numpy array sharing its memory": lambda tensor: tensor.numpy().fill(0),
+    "in place": lambda tensor: tensor.mul_(0),
+}
+
+
+@pytest.mark.parametrize("change", CHECKPOINT_CHANGES.values(), ids=CHECKPOINT_CHANGES.keys())
+def test_a_checkpoint_changed_after_a_copying_load_leaves_the_values_it_had_at_load_as_eager_does(
+    change: Callable[[Tensor], object],
+) -> None:
+    torch.manual_seed(0)
+    checkpoint = {name: tensor.clone() for name, tensor in nn.Linear(4, 4).state_dict().items()}
+    expected = {name: tensor.clone() for name, tensor in checkpoint.items()}
+    eager, deferred = nn.Linear(4, 4), deferred_init(nn.Linear, 4, 4)
+    eager.load_state_dict(checkpoint)
+    deferred.load_state_dict(checkpoint)
+    for tensor in checkpoint.values():
+        change(tensor)
+    materialize_module(deferred)
+    assert_bit_identical(eager, deferred)
+    assert torch.equal(deferred.weight, expected["weight"])
+    assert torch.equal(deferred.bias, expected["bias"])
+
+
+def test_a_value_computed_from_a_handed_tensor_keeps_what_it_computed_when_the_tensor_changes_unseen() -> None:
+    def build(given: Tensor) -> nn.Module:
+        module = nn.Module()
+        module.register_buffer("scaled", given * 2)
+        return module
+
+    given = torch.arange(4.0)
+    eager = build(given)
+    deferred = deferred_init(build, given)
+    given.numpy().fill(7)  # moves no version counter
+    materialize_module(deferred)
+    assert torch.equal(deferred.scaled, eager.scaled)
+    assert torch.equal(deferred.scaled, torch.arange(4.0) * 2)
+
+
+@pytest.mark.parametrize("change", CHECKPOINT_CHANGES.values(), ids=CHECKPOINT_CHANGES.keys())
+def test_a_real_tensor_viewed_by_a_deferred_module_and_changed_since_raises_naming_it_and_leaves_the_module_fake(
+    change: Callable[[Tensor], object],
+) -> None:
+    given = torch.arange(4.0)
+    deferred = deferred_init(HoldsAViewOf, given)
+    change(given)
     state = torch.get_rng_state()
-    with pytest.raises(DeferredInitError, match="changed in place since"):
+    with pytest.raises(DeferredInitError) as error:
         materialize_module(deferred)
-    assert is_fake(deferred.weight)
-    assert is_fake(deferred.bias)
+    message = str(error.value)
+    assert message.startswith(
+        "deferred_init's argument 'given' ((4,), torch.float32), viewed by aten.view.default while recording, was "
+        "changed in place since."
+    )
+    assert "\nexpected: the values it had when recorded\ngot: other values\n" in message
+    assert is_fake(deferred.table)
     assert torch.equal(torch.get_rng_state(), state)
 
 

@@ -45,6 +45,8 @@ from modattrs._deferred.record import (
     plain_call,
     results_of,
     scratch_arguments,
+    snapshot,
+    span_bytes,
 )
 from modattrs._deferred.replay import UNFILLED, is_collective, state_after
 from modattrs._fake import cuda_guard
@@ -247,7 +249,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 if id(value) in written:
                     # Read-only while recorded: eager code would change it, and fake tensors have no values to write.
                     raise _writes_real(func, self._real(value))
-                constant_slots.append(Constant(position, value, version_of(value)))
+                constant_slots.append(self._constant(func, position, value))
                 flat[position] = None
             elif isinstance(value, torch.device):
                 device_slots.append(position)
@@ -323,6 +325,18 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         alias, made = torch.ops.aten.alias.default, (ref,)
         results = results_of(alias, made, record.layouts)
         self._append(_made_here(alias, (viewed,), device=slot.device, out_refs=made, results=results))
+
+    def _constant(self, func: Callable[..., Any], position: int, tensor: torch.Tensor) -> Constant:
+        """The record's note of a real tensor given to ``func``: a copy of its values now, or, given to a view
+        operation, the tensor itself and the bytes it spans now (see Note [Real tensors are read when recorded])."""
+        if func in _LIFTS:
+            return Constant(position, tensor, version_of(tensor))
+        with disable_current_modes(), torch.no_grad():
+            if isinstance(func, OpOverload) and (func.is_view or func.overloadpacket is torch.ops.aten.set_):
+                recorded = span_bytes(tensor).clone()
+                return Constant(position, tensor, version_of(tensor), recorded, self._real(tensor).text)
+            copy = snapshot(tensor)
+        return Constant(position, copy, version_of(copy))
 
     def _real(self, tensor: torch.Tensor) -> _Real:
         """A real tensor, for messages: the argument of deferred_init it is or shares memory with, if it is one."""
