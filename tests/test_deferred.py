@@ -440,6 +440,34 @@ def test_a_real_tensor_viewed_by_a_deferred_module_and_changed_since_raises_nami
     assert torch.equal(torch.get_rng_state(), state)
 
 
+class ReshapesAResizedOut(nn.Module):
+    """Writes into an empty ``out=`` tensor, which the operation resizes and restrides like its input, then reshapes
+    it: a copy in eager code, since the result is transposed."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        if layout == "transposed":
+            source = torch.randn(4, 3).t()
+        else:
+            source = torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last)
+        out = torch.mul(source, 2, out=torch.empty(0))
+        self.register_buffer("out", out)
+        self.register_buffer("flat", out.reshape(-1))
+        self.flat.add_(1)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "channels_last"])
+def test_a_reshape_of_a_resized_out_tensor_is_recorded_as_eager_code_runs_it_and_materializes(layout: str) -> None:
+    torch.manual_seed(0)
+    eager = ReshapesAResizedOut(layout)
+    torch.manual_seed(0)
+    deferred = deferred_init(ReshapesAResizedOut, layout)
+    assert deferred.out.stride() == eager.out.stride()
+    materialize_module(deferred)
+    assert_bit_identical(eager, deferred)
+    assert deferred.out.stride() == eager.out.stride()
+
+
 # --- partial materialization ------------------------------------------------------------------------------------------
 
 
