@@ -704,6 +704,82 @@ def test_deferring_a_module_built_for_cuda_works_on_its_own_and_materializes_eag
     assert result.stdout.split() == ["cuda:0", "cuda:0", "True", "True", "True", "True"]
 
 
+MOVED_TO_CUDA = """
+    import sys
+    import torch
+    from torch import nn
+    from modattrs.deferred import deferred_init, materialize_module
+    from modattrs.fake import fake_mode
+
+    if sys.argv[1] == "after fake CUDA":
+        with fake_mode(fake_cuda=True):
+            torch.empty(1, device="cuda")
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 4)
+    torch.manual_seed(0)
+    deferred = deferred_init(nn.Linear, 4, 4)
+    moved = deferred.to("cuda") if sys.argv[2] == "to" else deferred.cuda()
+    print(moved.weight.device)
+    materialize_module(moved, device="cpu")
+    print(torch.equal(moved.weight, eager.weight), torch.equal(moved.bias, eager.bias))
+"""
+
+
+@pytest.mark.parametrize("move", ["to", "cuda"])
+@pytest.mark.parametrize("before", ["in a fresh process", "after fake CUDA"])
+def test_moving_a_deferred_cpu_model_to_cuda_works_whatever_ran_before_in_the_process(before: str, move: str) -> None:
+    from modattrs._fake import cuda_guard as _cuda_guard
+
+    if _cuda_guard.gpu_present():
+        pytest.skip("this machine has a GPU: nothing is spoofed")
+    try:
+        _cuda_guard.require()  # builds the guard once, for the fresh process below
+    except RuntimeError as error:
+        pytest.skip(f"the fake CUDA guard cannot be built here: {error}")
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(MOVED_TO_CUDA), before, move],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["cuda:0", "True", "True"]
+
+
+FAKE_MODE_MODEL_MOVED_TO_CUDA = """
+    import torch
+    from torch import nn
+    from modattrs.fake import fake_mode
+
+    with fake_mode():
+        module = nn.Linear(2, 2)
+    try:
+        module.to("cuda")
+    except RuntimeError as error:
+        print(type(error).__name__, error)
+    print(module.weight.device)
+"""
+
+
+def test_moving_a_fake_mode_model_to_cuda_before_fake_cuda_is_set_up_says_what_to_do() -> None:
+    from modattrs._fake import cuda_guard as _cuda_guard
+
+    if _cuda_guard.gpu_present():
+        pytest.skip("this machine has a GPU: nothing is spoofed")
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FAKE_MODE_MODEL_MOVED_TO_CUDA)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "RuntimeError fake tensors on cuda need modattrs.fake.fake_mode(fake_cuda=True) (or fake_copy to a CUDA "
+        "device) first, on this machine, which has no GPU",
+        "cpu",
+    ]
+
+
 def test_deferring_a_module_built_for_cuda_without_a_compiler_says_so_and_what_to_do(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

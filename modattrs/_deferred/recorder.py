@@ -109,6 +109,11 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 "either way"
             ) from error
 
+    def moving_to_cuda(self, func: Callable[..., Any]) -> None:
+        """A deferred tensor moved to CUDA (``model.to("cuda")``) gets fake CUDA, as a recorded operation asking for
+        CUDA does: set up before torch's binding asks torch.cuda to initialize, which would fail."""
+        self._fake_cuda_for(func)
+
     def __torch_dispatch__(
         self,
         func: Any,

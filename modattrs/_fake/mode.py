@@ -223,6 +223,12 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         (``trunc_normal_``), called on a fake tensor of this mode: there are no values to write, so nothing runs."""
         return target
 
+    def moving_to_cuda(self, func: Callable[..., Any]) -> None:
+        """``func`` (``Tensor.to``, ``Tensor.cuda``) is moving a fake tensor of this mode to CUDA, on a machine
+        without a GPU where fake CUDA is not set up: raise what the mode raises for CUDA then (torch's binding would
+        fail with a bare "Torch not compiled with CUDA enabled" first)."""
+        _check_cuda(torch.device("cuda"), spoofed_cuda.device_limit())
+
     def __torch_dispatch__(
         self,
         func: Any,
