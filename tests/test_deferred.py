@@ -440,6 +440,14 @@ def test_a_real_tensor_viewed_by_a_deferred_module_and_changed_since_raises_nami
     assert torch.equal(torch.get_rng_state(), state)
 
 
+def test_a_meta_tensor_handed_in_and_viewed_materializes_on_meta_as_eager_code_builds_it() -> None:
+    given = torch.empty(4, device="meta")
+    deferred = deferred_init(HoldsAViewOf, given)
+    materialize_module(deferred)
+    assert deferred.table.is_meta
+    assert deferred.table.shape == (2, 2)
+
+
 class ReshapesAResizedOut(nn.Module):
     """Writes into an empty ``out=`` tensor, which the operation resizes and restrides like its input, then reshapes
     it: a copy in eager code, since the result is transposed."""

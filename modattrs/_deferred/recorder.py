@@ -334,7 +334,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
     def _constant(self, func: Callable[..., Any], position: int, tensor: torch.Tensor) -> Constant:
         """The record's note of a real tensor given to ``func``: a copy of its values now, or, given to a view
         operation, the tensor itself and the bytes it spans now (see Note [Real tensors are read when recorded])."""
-        if func in _LIFTS:
+        if func in _LIFTS or tensor.is_meta:  # no other code holds the former; the latter has no values
             return Constant(position, tensor, version_of(tensor))
         with disable_current_modes(), torch.no_grad():
             if isinstance(func, OpOverload) and (func.is_view or func.overloadpacket is torch.ops.aten.set_):
