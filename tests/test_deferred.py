@@ -405,6 +405,20 @@ def test_a_checkpoint_changed_after_a_copying_load_leaves_the_values_it_had_at_l
     assert torch.equal(deferred.bias, expected["bias"])
 
 
+def test_a_copying_load_into_a_deferred_model_lets_the_checkpoint_go_as_eager_code_does() -> None:
+    checkpoint = {name: tensor.clone() for name, tensor in nn.Linear(4, 4).state_dict().items()}
+    expected = {name: tensor.clone() for name, tensor in checkpoint.items()}
+    weight = weakref.ref(checkpoint["weight"])
+    deferred = deferred_init(nn.Linear, 4, 4)
+    deferred.load_state_dict(checkpoint)
+    del checkpoint
+    gc.collect()
+    assert weight() is None
+    materialize_module(deferred)
+    assert torch.equal(deferred.weight, expected["weight"])
+    assert torch.equal(deferred.bias, expected["bias"])
+
+
 def test_a_value_computed_from_a_handed_tensor_keeps_what_it_computed_when_the_tensor_changes_unseen() -> None:
     def build(given: Tensor) -> nn.Module:
         module = nn.Module()

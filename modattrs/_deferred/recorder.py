@@ -95,6 +95,9 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         # Storages of fake tensors that view real ones (``given.view(2, 2)``), with the real tensor: a write through
         # one of them would change the real tensor in eager code, so it is refused, naming the real tensor.
         self._real_views: dict[int, _Real] = {}
+        # The copies of real tensors that recorded operations read, by where the tensor's data is (see Note [Real
+        # tensors are read when recorded]).
+        self._snapshots: dict[tuple[object, ...], torch.Tensor] = {}
 
     def _fake_cuda_for(self, func: Callable[..., Any]) -> None:
         """A record that asks for CUDA on a build of torch without it gets fake CUDA, as torchdistx's did: what
@@ -340,7 +343,14 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             if isinstance(func, OpOverload) and (func.is_view or func.overloadpacket is torch.ops.aten.set_):
                 recorded = span_bytes(tensor).clone()
                 return Constant(position, tensor, version_of(tensor), recorded, self._real(tensor).text)
-            copy = snapshot(tensor)
+            # Not _key_of, which keeps the storage alive: the record holds the copy, not the tensor.
+            storage, bits = address_of(tensor.untyped_storage()), (tensor.is_conj(), tensor.is_neg())
+            key = (storage, tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device, bits)
+            copy = self._snapshots.get(key)
+            # One copy for every read of the same values (a template copied into each layer); a change since, even
+            # one no version counter saw, makes a new one.
+            if copy is None or not torch.equal(span_bytes(tensor), span_bytes(copy)):
+                copy = self._snapshots[key] = snapshot(tensor)
         return Constant(position, copy, version_of(copy))
 
     def _real(self, tensor: torch.Tensor) -> _Real:
