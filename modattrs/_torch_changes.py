@@ -68,7 +68,8 @@ _filters: list[Any] = []  # the entries added to warnings.filters
 
 
 def install() -> None:
-    """Make the base changes (1, 2, 3, 5, 9), once; every ``fake_mode`` entry and ``deferred_init`` call comes here."""
+    """Make the base changes (1, 2, 3, 5, 9, 10), once; every ``fake_mode`` entry and ``deferred_init`` call comes
+    here."""
     global _base
     if _base:  # no lock once done
         return
@@ -107,6 +108,14 @@ def install() -> None:
         #    (see Note [Deep copies that share memory as eager ones do] in _fake.mode).
         _replace(FakeTensor, "__deepcopy__", _deepcopy_of_fakes)
         _replace(torch.Tensor, "__deepcopy__", _deepcopy_of_reals_into_fakes)
+        # 10. Tensor.to and Tensor.cuda ask torch.cuda to initialize before moving even a fake tensor to CUDA, and on
+        #    a machine without a GPU that fails with torch's bare "Torch not compiled with CUDA enabled" (or "Found no
+        #    NVIDIA driver") until fake CUDA is set up, before any mode sees the move: the same model.to("cuda")
+        #    worked or not depending on what ran before in the process. A fake tensor of modattrs' modes moved there
+        #    first goes to its mode, which sets up fake CUDA (deferred_init's, as for any recorded request of
+        #    CUDA) or says what to do (fake_mode's).
+        for name in ("to", "cuda"):
+            _replace(torch.Tensor, name, _fake_cuda_asked_by_moves)
         _base = True
 
 
@@ -328,6 +337,34 @@ def _deepcopy_of_reals_into_fakes(original: Callable[..., Any]) -> Callable[...,
         return original(*args, **kwargs)
 
     return __deepcopy__
+
+
+def _fake_cuda_asked_by_moves(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def move(*args: Any, **kwargs: Any) -> Any:  # as given: torch's method takes and checks them
+        tensor = args[0] if args else None
+        if (
+            isinstance(tensor, FakeTensor)
+            and isinstance(tensor.fake_mode, ModattrsFakeTensorMode)
+            and not cuda_guard.ready()
+            and (original.__name__ == "cuda" or _names_cuda(args[1:], kwargs.get("device")))
+        ):
+            tensor.fake_mode.moving_to_cuda(original)
+        return original(*args, **kwargs)
+
+    return move
+
+
+def _names_cuda(positional: tuple[Any, ...], device: object) -> bool:
+    """Whether ``Tensor.to``'s arguments ask for a CUDA device (a bare index is one)."""
+    for value in (*positional, device):
+        if isinstance(value, torch.device) and value.type == "cuda":
+            return True
+        if isinstance(value, str) and value.split(":")[0] == "cuda":
+            return True
+        if isinstance(value, int) and not isinstance(value, bool):
+            return True
+    return False
 
 
 def _trunc_normal_for_fakes(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

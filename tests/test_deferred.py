@@ -398,18 +398,114 @@ def test_values_copied_in_after_deferred_init_are_replayed() -> None:
     assert torch.equal(deferred.weight, weight)
 
 
-def test_a_real_tensor_changed_after_being_recorded_raises_and_leaves_the_module_fake() -> None:
-    weight = torch.randn(4, 4)
+CHECKPOINT_CHANGES: dict[str, Callable[[Tensor], object]] = {
+    "through .data": lambda tensor: tensor.data.mul_(0),
+    "through a numpy array sharing its memory": lambda tensor: tensor.numpy().fill(0),
+    "in place": lambda tensor: tensor.mul_(0),
+}
+
+
+@pytest.mark.parametrize("change", CHECKPOINT_CHANGES.values(), ids=CHECKPOINT_CHANGES.keys())
+def test_a_checkpoint_changed_after_a_copying_load_leaves_the_values_it_had_at_load_as_eager_does(
+    change: Callable[[Tensor], object],
+) -> None:
+    torch.manual_seed(0)
+    checkpoint = {name: tensor.clone() for name, tensor in nn.Linear(4, 4).state_dict().items()}
+    expected = {name: tensor.clone() for name, tensor in checkpoint.items()}
+    eager, deferred = nn.Linear(4, 4), deferred_init(nn.Linear, 4, 4)
+    eager.load_state_dict(checkpoint)
+    deferred.load_state_dict(checkpoint)
+    for tensor in checkpoint.values():
+        change(tensor)
+    materialize_module(deferred)
+    assert_bit_identical(eager, deferred)
+    assert torch.equal(deferred.weight, expected["weight"])
+    assert torch.equal(deferred.bias, expected["bias"])
+
+
+def test_a_copying_load_into_a_deferred_model_lets_the_checkpoint_go_as_eager_code_does() -> None:
+    checkpoint = {name: tensor.clone() for name, tensor in nn.Linear(4, 4).state_dict().items()}
+    expected = {name: tensor.clone() for name, tensor in checkpoint.items()}
+    weight = weakref.ref(checkpoint["weight"])
     deferred = deferred_init(nn.Linear, 4, 4)
-    with torch.no_grad():
-        deferred.weight.copy_(weight)
-    weight.add_(1)
+    deferred.load_state_dict(checkpoint)
+    del checkpoint
+    gc.collect()
+    assert weight() is None
+    materialize_module(deferred)
+    assert torch.equal(deferred.weight, expected["weight"])
+    assert torch.equal(deferred.bias, expected["bias"])
+
+
+def test_a_value_computed_from_a_handed_tensor_keeps_what_it_computed_when_the_tensor_changes_unseen() -> None:
+    def build(given: Tensor) -> nn.Module:
+        module = nn.Module()
+        module.register_buffer("scaled", given * 2)
+        return module
+
+    given = torch.arange(4.0)
+    eager = build(given)
+    deferred = deferred_init(build, given)
+    given.numpy().fill(7)  # moves no version counter
+    materialize_module(deferred)
+    assert torch.equal(deferred.scaled, eager.scaled)
+    assert torch.equal(deferred.scaled, torch.arange(4.0) * 2)
+
+
+@pytest.mark.parametrize("change", CHECKPOINT_CHANGES.values(), ids=CHECKPOINT_CHANGES.keys())
+def test_a_real_tensor_viewed_by_a_deferred_module_and_changed_since_raises_naming_it_and_leaves_the_module_fake(
+    change: Callable[[Tensor], object],
+) -> None:
+    given = torch.arange(4.0)
+    deferred = deferred_init(HoldsAViewOf, given)
+    change(given)
     state = torch.get_rng_state()
-    with pytest.raises(DeferredInitError, match="changed in place since"):
+    with pytest.raises(DeferredInitError) as error:
         materialize_module(deferred)
-    assert is_fake(deferred.weight)
-    assert is_fake(deferred.bias)
+    message = str(error.value)
+    assert message.startswith(
+        "deferred_init's argument 'given' ((4,), torch.float32), viewed by aten.view.default while recording, was "
+        "changed in place since."
+    )
+    assert "\nexpected: the values it had when recorded\ngot: other values\n" in message
+    assert is_fake(deferred.table)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_meta_tensor_handed_in_and_viewed_materializes_on_meta_as_eager_code_builds_it() -> None:
+    given = torch.empty(4, device="meta")
+    deferred = deferred_init(HoldsAViewOf, given)
+    materialize_module(deferred)
+    assert deferred.table.is_meta
+    assert deferred.table.shape == (2, 2)
+
+
+class ReshapesAResizedOut(nn.Module):
+    """Writes into an empty ``out=`` tensor, which the operation resizes and restrides like its input, then reshapes
+    it: a copy in eager code, since the result is transposed."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        if layout == "transposed":
+            source = torch.randn(4, 3).t()
+        else:
+            source = torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last)
+        out = torch.mul(source, 2, out=torch.empty(0))
+        self.register_buffer("out", out)
+        self.register_buffer("flat", out.reshape(-1))
+        self.flat.add_(1)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "channels_last"])
+def test_a_reshape_of_a_resized_out_tensor_is_recorded_as_eager_code_runs_it_and_materializes(layout: str) -> None:
+    torch.manual_seed(0)
+    eager = ReshapesAResizedOut(layout)
+    torch.manual_seed(0)
+    deferred = deferred_init(ReshapesAResizedOut, layout)
+    assert deferred.out.stride() == eager.out.stride()
+    materialize_module(deferred)
+    assert_bit_identical(eager, deferred)
+    assert deferred.out.stride() == eager.out.stride()
 
 
 # --- partial materialization ------------------------------------------------------------------------------------------
@@ -733,6 +829,82 @@ def test_deferring_a_module_built_for_cuda_works_on_its_own_and_materializes_eag
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["cuda:0", "cuda:0", "True", "True", "True", "True"]
+
+
+MOVED_TO_CUDA = """
+    import sys
+    import torch
+    from torch import nn
+    from modattrs.deferred import deferred_init, materialize_module
+    from modattrs.fake import fake_mode
+
+    if sys.argv[1] == "after fake CUDA":
+        with fake_mode(fake_cuda=True):
+            torch.empty(1, device="cuda")
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 4)
+    torch.manual_seed(0)
+    deferred = deferred_init(nn.Linear, 4, 4)
+    moved = deferred.to("cuda") if sys.argv[2] == "to" else deferred.cuda()
+    print(moved.weight.device)
+    materialize_module(moved, device="cpu")
+    print(torch.equal(moved.weight, eager.weight), torch.equal(moved.bias, eager.bias))
+"""
+
+
+@pytest.mark.parametrize("move", ["to", "cuda"])
+@pytest.mark.parametrize("before", ["in a fresh process", "after fake CUDA"])
+def test_moving_a_deferred_cpu_model_to_cuda_works_whatever_ran_before_in_the_process(before: str, move: str) -> None:
+    from modattrs._fake import cuda_guard as _cuda_guard
+
+    if _cuda_guard.gpu_present():
+        pytest.skip("this machine has a GPU: nothing is spoofed")
+    try:
+        _cuda_guard.require()  # builds the guard once, for the fresh process below
+    except RuntimeError as error:
+        pytest.skip(f"the fake CUDA guard cannot be built here: {error}")
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(MOVED_TO_CUDA), before, move],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["cuda:0", "True", "True"]
+
+
+FAKE_MODE_MODEL_MOVED_TO_CUDA = """
+    import torch
+    from torch import nn
+    from modattrs.fake import fake_mode
+
+    with fake_mode():
+        module = nn.Linear(2, 2)
+    try:
+        module.to("cuda")
+    except RuntimeError as error:
+        print(type(error).__name__, error)
+    print(module.weight.device)
+"""
+
+
+def test_moving_a_fake_mode_model_to_cuda_before_fake_cuda_is_set_up_says_what_to_do() -> None:
+    from modattrs._fake import cuda_guard as _cuda_guard
+
+    if _cuda_guard.gpu_present():
+        pytest.skip("this machine has a GPU: nothing is spoofed")
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FAKE_MODE_MODEL_MOVED_TO_CUDA)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "RuntimeError fake tensors on cuda need modattrs.fake.fake_mode(fake_cuda=True) (or fake_copy to a CUDA "
+        "device) first, on this machine, which has no GPU",
+        "cpu",
+    ]
 
 
 def test_deferring_a_module_built_for_cuda_without_a_compiler_says_so_and_what_to_do(

@@ -775,3 +775,43 @@ def test_a_detached_fake_views_its_storage_shares_its_version_and_tracks_no_grad
     assert faked == eager
     assert is_fake(parameter)
     assert (parameter.requires_grad, parameter.is_leaf, parameter.device.type) == (True, True, device[:4])
+
+
+def _transposed() -> Tensor:
+    return torch.randn(4, 3).t()
+
+
+# Operations writing into an empty out= tensor, which they resize: eager code gives it the strides of the result.
+RESIZED_OUTS: dict[str, Callable[[], object]] = {
+    "add, transposed": lambda: torch.add(_transposed(), 1, out=torch.empty(0)),
+    "mul, channels_last": lambda: torch.mul(
+        torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last), 2, out=torch.empty(0)
+    ),
+    "add, broadcast to a transposed input": lambda: torch.add(_transposed(), torch.randn(3, 1), out=torch.empty(0)),
+    "add, broadcast row": lambda: torch.add(torch.randn(4), _transposed(), out=torch.empty(0)),
+    "exp, transposed": lambda: torch.exp(_transposed(), out=torch.empty(0)),
+    "where, transposed": lambda: torch.where(_transposed() > 0, _transposed(), torch.zeros(3, 1), out=torch.empty(0)),
+    "sum over a dim, transposed": lambda: torch.sum(torch.randn(2, 4, 3).transpose(0, 2), 1, out=torch.empty(0)),
+    "max over a dim, two outs": lambda: torch.max(
+        torch.randn(5, 4, 3).permute(2, 0, 1), 1, out=(torch.empty(0), torch.empty(0, dtype=torch.long))
+    ),
+    "mm, transposed": lambda: torch.mm(_transposed(), torch.randn(4, 2), out=torch.empty(0)),
+    "cat, channels_last": lambda: torch.cat(
+        [torch.randn(1, 3, 2, 2).to(memory_format=torch.channels_last)] * 2, out=torch.empty(0)
+    ),
+}
+
+
+def _strides(result: object) -> list[tuple[int, ...]]:
+    results = result if isinstance(result, tuple) else (result,)
+    return [tensor.stride() for tensor in results if isinstance(tensor, Tensor)]
+
+
+@pytest.mark.parametrize("operation", RESIZED_OUTS.values(), ids=RESIZED_OUTS.keys())
+def test_an_out_tensor_that_an_operation_resizes_gets_the_strides_eager_code_gives_it(
+    operation: Callable[[], object],
+) -> None:
+    eager = _strides(operation())
+    with fake_mode():
+        fake = _strides(operation())
+    assert fake == eager

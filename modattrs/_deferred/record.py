@@ -87,13 +87,58 @@ class Slot:
 
 @dataclass(frozen=True, slots=True)
 class Constant:
-    """A real tensor argument (``torch.tensor(...)``'s data, a tensor handed to the constructor): its position in the
-    flattened arguments, the tensor and its version when recorded. Recording refuses an operation that writes into
-    one, so replays only read it."""
+    """A real tensor argument (``torch.tensor(...)``'s data, a tensor handed to the constructor, a checkpoint's
+    tensor copied in): its position in the flattened arguments, the tensor the replays use and its version when
+    recorded. Recording refuses an operation that writes into one, so replays only read it.
+
+    Note [Real tensors are read when recorded]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    Eager code reads a real tensor's values when the operation runs, and a replay runs it later; in between, its
+    values can change without its version counter moving (``t.data.mul_(0)``, a numpy array sharing its memory), so
+    the counter cannot tell. An operation that reads the values (``copy_`` of ``load_state_dict``, ``given + 1``)
+    gets a copy of them made when it is recorded (``snapshot``): replays compute what eager code did, and the real
+    tensor is not kept. A view operation (``given[:2]``) keeps the real tensor, as eager code's view does, and the
+    bytes it spans when recorded (``recorded``): a replay that finds other values or another version refuses, as
+    the module would hold other values than eager construction made. ``torch.tensor(...)``'s own real tensor, which
+    no other code holds, is kept as it is.
+    """
 
     index: int
     tensor: torch.Tensor
     version: int
+    recorded: torch.Tensor | None = None  # of a tensor kept by reference: the bytes it spanned when recorded
+    text: str = "a real tensor"  # what it is, for messages
+
+
+def span_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``tensor``'s storage from its first element to its last, as a 1-D uint8 tensor viewing them."""
+    storage = tensor.untyped_storage()
+    low = high = tensor.storage_offset()
+    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        if size == 0:
+            low, high = tensor.storage_offset(), tensor.storage_offset() - 1
+            break
+        if stride < 0:
+            low += (size - 1) * stride
+        else:
+            high += (size - 1) * stride
+    item = tensor.element_size()
+    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    return raw.set_(storage, low * item, ((high - low + 1) * item,), (1,))
+
+
+def snapshot(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` as it is now, in memory of its own: the bytes it spans, with its sizes, strides, dtype,
+    conjugate and negative bits (see Note [Real tensors are read when recorded]). Call with every mode off."""
+    spanned = span_bytes(tensor)
+    low = spanned.storage_offset() // tensor.element_size()
+    copy = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    copy.set_(spanned.clone().untyped_storage(), tensor.storage_offset() - low, tensor.shape, tensor.stride())
+    if tensor.is_conj():
+        copy = copy.conj()
+    if tensor.is_neg():
+        copy = torch._neg_view(copy)
+    return copy
 
 
 # This replay's copy of each storage of the record's real tensors that it writes or aliases, by address: a record is
@@ -196,12 +241,17 @@ class Op:
         copies = {} if copies is None else copies
         for constant in self.constant_slots:
             tensor = constant.tensor
-            if version_of(tensor) != constant.version:
+            if version_of(tensor) != constant.version or (
+                constant.recorded is not None and not torch.equal(span_bytes(tensor), constant.recorded)
+            ):
                 raise DeferredInitError(
-                    f"a real tensor ({tuple(tensor.shape)}, {tensor.dtype}) given to {self.name} while recording "
-                    "was changed in place since.\n"
-                    "The recorded result would differ from what eager construction computed.\n"
-                    "Leave tensors handed to a deferred module unchanged until it is materialized"
+                    f"{constant.text}, viewed by {self.name} while recording, was changed in place since.\n"
+                    "The deferred module views it, and its values would differ from those eager construction "
+                    "made.\n"
+                    "expected: the values it had when recorded\n"
+                    "got: other values\n"
+                    "Leave tensors that a deferred module views unchanged until it is materialized, or hand it a copy "
+                    "(given.clone())"
                 )
             if self.opaque or address_of(tensor.untyped_storage()) in copies:
                 flat[constant.index] = _on_copy(tensor, device, copies)

@@ -47,6 +47,8 @@ from modattrs._deferred.record import (
     plain_call,
     results_of,
     scratch_arguments,
+    snapshot,
+    span_bytes,
 )
 from modattrs._deferred.replay import UNFILLED, is_collective, state_after
 from modattrs._fake import cuda_guard
@@ -97,6 +99,9 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         # By the address of each fake tensor a view operation made: the address of the tensor it was made from (see
         # Note [A view holds what it was made from]).
         self._view_sources: dict[int, int] = {}
+        # The copies of real tensors that recorded operations read, by where the tensor's data is (see Note [Real
+        # tensors are read when recorded]).
+        self._snapshots: dict[tuple[object, ...], torch.Tensor] = {}
 
     def _fake_cuda_for(self, func: Callable[..., Any]) -> None:
         """A record that asks for CUDA on a build of torch without it gets fake CUDA, as torchdistx's did: what
@@ -110,6 +115,11 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 "Or build the module for the CPU: materialized, its values are those of eager construction on the CPU "
                 "either way"
             ) from error
+
+    def moving_to_cuda(self, func: Callable[..., Any]) -> None:
+        """A deferred tensor moved to CUDA (``model.to("cuda")``) gets fake CUDA, as a recorded operation asking for
+        CUDA does: set up before torch's binding asks torch.cuda to initialize, which would fail."""
+        self._fake_cuda_for(func)
 
     def __torch_dispatch__(
         self,
@@ -272,7 +282,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 if id(value) in written:
                     # Read-only while recorded: eager code would change it, and fake tensors have no values to write.
                     raise _writes_real(func, self._real(value))
-                constant_slots.append(Constant(position, value, version_of(value)))
+                constant_slots.append(self._constant(func, position, value))
                 flat[position] = None
             elif isinstance(value, torch.device):
                 device_slots.append(position)
@@ -348,6 +358,25 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         alias, made = torch.ops.aten.alias.default, (ref,)
         results = results_of(alias, made, record.layouts)
         self._append(_made_here(alias, (viewed,), device=slot.device, out_refs=made, results=results))
+
+    def _constant(self, func: Callable[..., Any], position: int, tensor: torch.Tensor) -> Constant:
+        """The record's note of a real tensor given to ``func``: a copy of its values now, or, given to a view
+        operation, the tensor itself and the bytes it spans now (see Note [Real tensors are read when recorded])."""
+        if func in _LIFTS or tensor.is_meta:  # no other code holds the former; the latter has no values
+            return Constant(position, tensor, version_of(tensor))
+        with disable_current_modes(), torch.no_grad():
+            if isinstance(func, OpOverload) and (func.is_view or func.overloadpacket is torch.ops.aten.set_):
+                recorded = span_bytes(tensor).clone()
+                return Constant(position, tensor, version_of(tensor), recorded, self._real(tensor).text)
+            # Not _key_of, which keeps the storage alive: the record holds the copy, not the tensor.
+            storage, bits = address_of(tensor.untyped_storage()), (tensor.is_conj(), tensor.is_neg())
+            key = (storage, tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device, bits)
+            copy = self._snapshots.get(key)
+            # One copy for every read of the same values (a template copied into each layer); a change since, even
+            # one no version counter saw, makes a new one.
+            if copy is None or not torch.equal(span_bytes(tensor), span_bytes(copy)):
+                copy = self._snapshots[key] = snapshot(tensor)
+        return Constant(position, copy, version_of(copy))
 
     def _real(self, tensor: torch.Tensor) -> _Real:
         """A real tensor, for messages: the argument of deferred_init it is or shares memory with, if it is one."""

@@ -224,6 +224,12 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         (``trunc_normal_``), called on a fake tensor of this mode: there are no values to write, so nothing runs."""
         return target
 
+    def moving_to_cuda(self, func: Callable[..., Any]) -> None:
+        """``func`` (``Tensor.to``, ``Tensor.cuda``) is moving a fake tensor of this mode to CUDA, on a machine
+        without a GPU where fake CUDA is not set up: raise what the mode raises for CUDA then (torch's binding would
+        fail with a bare "Torch not compiled with CUDA enabled" first)."""
+        _check_cuda(torch.device("cuda"), spoofed_cuda.device_limit())
+
     def __torch_dispatch__(
         self,
         func: Any,
@@ -334,6 +340,9 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             device = torch.device(kwargs.get("device") or "cpu")
             return self._wrap(_constructed(self, func, args, kwargs), device)
         try:
+            outs = _out_arguments(func) if type(func) is OpOverload else None
+            if outs:
+                return self._out_as_eager(func, types, args, kwargs, outs)
             return super().__torch_dispatch__(func, types, args, kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException) as error:
             if isinstance(error, _ClearError):
@@ -342,6 +351,45 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         # Raised outside the handler and held by no local: torch's exception as context, or a cycle through this
         # frame, would keep alive the views the reading code made (tolist's rows), which materializing refuses.
         raise _clear(shape, func)
+
+    def _out_as_eager(
+        self,
+        func: OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        outs: tuple[str, ...],
+    ) -> Any:
+        """An operation with ``out=`` tensors, each resized one with the strides eager code gives it.
+
+        Note [Resized out= tensors]
+        ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        When an ``out=`` tensor has other sizes than the result, eager code resizes it and gives it the strides of
+        the result its operation would return (structured kernels restride it to what their meta function says;
+        the others compute into it as their functional form does): ``torch.add(t.t(), 1, out=torch.empty(0))`` is
+        transposed like ``t.t() + 1``. torch's fake kernels for elementwise operations resize it contiguous, so a
+        fake of it had other strides than the real tensor, and a ``reshape`` that copies in eager code was a view of
+        the fake (and of the record, which a replay then could not make). A resized ``out=`` tensor gets the
+        strides of the operation's functional form, run on the same fakes first (its inputs may be the ``out=``
+        tensor itself).
+        """
+        functional = _functional_of(func)
+        given = [kwargs.get(name) for name in outs]
+        fakes = [out for out in given if isinstance(out, FakeTensor)]
+        if functional is None or len(fakes) != len(given):
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        sizes = [out.shape for out in fakes]
+        inputs = {name: value for name, value in kwargs.items() if name not in outs}
+        # The result (computed again below): its strides only, each a fresh fake that nothing else holds.
+        strides = [fake.stride() for fake in _leaves(super().__torch_dispatch__(functional, types, args, inputs))]
+        result = super().__torch_dispatch__(func, types, args, kwargs)
+        if len(strides) == len(fakes):
+            for out, size, stride in zip(fakes, sizes, strides, strict=True):
+                if out.shape != size and out.stride() != stride:
+                    super().__torch_dispatch__(
+                        torch.ops.aten.as_strided_.default, types, (out, out.shape, stride, out.storage_offset()), {}
+                    )
+        return result
 
     def _factory_fake(self, func: Any, route: int, args: Sequence[Any], kwargs: Mapping[str, Any]) -> FakeTensor:
         """A tensor factory (``_FACTORIES``) of strided tensors, made on the meta device and wrapped; ones, zeros and
@@ -461,6 +509,36 @@ def _check_cuda(device: torch.device, limit: int) -> None:
             f"{device}: this fake_mode spoofs {limit} CUDA devices, cuda:0 to cuda:{limit - 1}; ask for more with "
             f"fake_mode(fake_cuda=True, device_count=N), up to {spoofed_cuda.MAX_DEVICES}"
         )
+
+
+#: By operation: the names of its ``out=`` arguments (none for most).
+_OUTS: dict[OpOverload, tuple[str, ...]] = {}
+#: By operation with ``out=`` arguments: its functional form, or None.
+_FUNCTIONAL: dict[OpOverload, OpOverload | None] = {}
+
+
+def _out_arguments(func: OpOverload) -> tuple[str, ...]:
+    outs = _OUTS.get(func)
+    if outs is None:
+        outs = _OUTS[func] = tuple(argument.name for argument in func._schema.arguments if argument.is_out)
+    return outs
+
+
+def _functional_of(func: OpOverload) -> OpOverload | None:
+    """The overload of ``func``'s operation that takes the same arguments but the ``out=`` ones and writes none
+    (``aten.add.Tensor`` for ``aten.add.out``), or None."""
+    if func in _FUNCTIONAL:
+        return _FUNCTIONAL[func]
+    wanted = [(argument.name, str(argument.type)) for argument in func._schema.arguments if not argument.is_out]
+    found = None
+    for name in func.overloadpacket.overloads():
+        overload = getattr(func.overloadpacket, name)
+        schema = overload._schema
+        if not schema.is_mutable and [(a.name, str(a.type)) for a in schema.arguments] == wanted:
+            found = overload
+            break
+    _FUNCTIONAL[func] = found
+    return found
 
 
 def _give_values(fake: FakeTensor, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
