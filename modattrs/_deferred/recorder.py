@@ -172,11 +172,12 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
     def opaque_call(
         self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], target: FakeTensor
     ) -> FakeTensor:
-        """Record ``func(*args, **kwargs)`` as one call that writes ``target`` in place, without running it."""
+        """Record ``func(*args, **kwargs)`` as one call that writes ``target`` in place, without running it (a
+        constant it writes forgets its values, as in fake mode)."""
         with generator.lock:
             pending = self._begin(func, args, kwargs, (target,), random=True)
             self._finish(pending, target)
-        return target
+        return super().opaque_call(func, args, kwargs, target)
 
     def note_generator(self) -> None:
         """Record where the default CPU generator is if it moved since the last draw (a reseed at the end of

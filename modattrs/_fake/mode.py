@@ -220,7 +220,11 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], target: FakeTensor
     ) -> FakeTensor:
         """``func(*args, **kwargs)``, an initializer that writes ``target`` in place and reads what it draws
-        (``trunc_normal_``), called on a fake tensor of this mode: there are no values to write, so nothing runs."""
+        (``trunc_normal_``), called on a fake tensor of this mode: there are no values to write, so nothing runs.
+        A constant it writes forgets its values, and so do the tensors sharing its memory, as after any other write
+        that is no constant's (it draws: eager code would have other values there)."""
+        if target.constant is not None:
+            _forget(self, target)
         return target
 
     def __torch_dispatch__(
