@@ -29,7 +29,7 @@ import torch
 
 from modattrs._deferred import generator
 from modattrs._fake import backward, cuda_guard, spoofed_cuda
-from modattrs._fake.mode import ModattrsFakeTensorMode, copy_constant_first
+from modattrs._fake.mode import ModattrsFakeTensorMode, copy_constant_first, data_replaced
 from modattrs._torch_private import (
     ENGINE_ENTRY,
     ENGINE_ENTRY_OWNERS,
@@ -67,7 +67,8 @@ _filters: list[Any] = []  # the entries added to warnings.filters
 
 
 def install() -> None:
-    """Make the base changes (1, 2, 3, 5, 9), once; every ``fake_mode`` entry and ``deferred_init`` call comes here."""
+    """Make the base changes (1, 2, 3, 5, 9, 10), once; every ``fake_mode`` entry and ``deferred_init`` call comes
+    here."""
     global _base
     if _base:  # no lock once done
         return
@@ -102,6 +103,10 @@ def install() -> None:
         #    there (a real tensor) cannot be deep-copied inside a fake mode (timm's pruned models copy BatchNorms):
         #    FakeTensor gets a __deepcopy__ of its own, which copies a constant outside the modes first.
         _replace(FakeTensor, "__deepcopy__", _deepcopy_copying_constants_first)
+        # 10. `t.data = x` (set_data) reaches no dispatch mode, and the constant a fake tensor keeps in its __dict__
+        #     stays: FakeTensor gets a `data` property of its own, torch's getter and setter, after which the setter
+        #     gives the tensor the values of the data it now shares, or none.
+        _replace_by(FakeTensor, "data", _data_keeping_constants(FakeTensor.data))
         _base = True
 
 
@@ -285,6 +290,16 @@ def _numpy_of_real_tensors(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(*args, **kwargs)
 
     return numpy
+
+
+def _data_keeping_constants(original: Any) -> property:
+    """``Tensor.data`` (a C descriptor), whose setter then tells the fake mode what the tensor now holds."""
+
+    def set_data(tensor: torch.Tensor, data: Any) -> None:
+        original.__set__(tensor, data)  # first: it raises for data the tensor cannot take, with nothing changed
+        data_replaced(tensor, data)
+
+    return property(original.__get__, set_data, doc=original.__doc__)
 
 
 def _deepcopy_copying_constants_first(original: Callable[..., Any]) -> Callable[..., Any]:

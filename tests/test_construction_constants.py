@@ -140,6 +140,41 @@ def test_trunc_normal_of_a_constant_makes_it_and_its_views_forget_their_values(d
         bool((drawn_into != 0).any())
 
 
+def test_data_assignment_gives_a_constant_the_values_of_its_new_data_shared_with_it(device: str) -> None:
+    replaced = torch.zeros(3)
+    replaced.data = torch.ones(3)
+    shared = torch.zeros(2)
+    given = torch.arange(2.0)
+    shared.data = given
+    given.add_(5)
+    written = torch.zeros(2)
+    source = torch.arange(2.0)
+    written.data = source
+    written.normal_()
+    unknown = torch.arange(3.0)
+    unknown.data = torch.empty(3)
+
+    assert replaced.tolist() == [1.0, 1.0, 1.0]
+    assert shared.tolist() == [5.0, 6.0]
+    for forgotten in (written, source, unknown):
+        with pytest.raises(Exception, match="construction-time constants"):
+            forgotten.tolist()
+    assert is_fake(replaced)
+    assert replaced.device.type == device
+
+
+def test_a_parameter_given_a_constants_data_holds_no_values_and_the_constant_forgets_its_own(device: str) -> None:
+    scale = nn.Parameter(torch.zeros(2))
+    table = torch.arange(2.0)
+    scale.data = table
+    scale.data = scale.data.to(torch.bfloat16)
+
+    for forgotten in (scale, table):
+        with pytest.raises(Exception, match="construction-time constants"):
+            forgotten.tolist()
+    assert scale.dtype == torch.bfloat16
+
+
 def test_constants_are_bounded_to_4096_elements_but_views_of_a_constant_are_not(device: str) -> None:
     small = torch.arange(4096.0)
     large = torch.arange(4097.0)
@@ -304,6 +339,29 @@ def test_deferred_init_refuses_values_of_a_constant_an_opaque_initializer_wrote_
     assert deferred.doubled == eager.doubled == [0.0, 2.0, 4.0]
     assert torch.equal(deferred.table, eager.table)
     assert bool((deferred.table != 0).all())
+
+
+class _DataReplaced(nn.Module):
+    """Replaces a constant buffer's data, then builds from its values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("widths", torch.zeros(3, dtype=torch.int64))
+        self.widths.data = torch.tensor([2, 3, 4])
+        self.layers = nn.ModuleList(nn.Linear(w, w) for w in self.widths.tolist())
+
+
+def test_deferred_init_reads_the_values_data_assignment_gave_a_constant_and_materializes_them() -> None:
+    torch.manual_seed(0)
+    eager = _DataReplaced()
+    torch.manual_seed(0)
+    deferred = deferred_init(_DataReplaced)
+
+    assert [layer.in_features for layer in deferred.layers] == [2, 3, 4]
+    materialize_module(deferred)
+    assert all(
+        torch.equal(a, b) for a, b in zip(eager.state_dict().values(), deferred.state_dict().values(), strict=True)
+    )
 
 
 @pytest.mark.parametrize("refuse", ["random", "parameter", "written"])

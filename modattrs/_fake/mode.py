@@ -912,6 +912,32 @@ def copy_constant_first(fake: torch.Tensor, memo: dict[int, Any]) -> None:
     memo.setdefault(id(memo), []).append(constant)  # copy's keep-alive list: the id stays the constant's
 
 
+def data_replaced(tensor: torch.Tensor, data: object) -> None:
+    """After ``tensor.data = data`` (``set_data``, which no dispatch mode sees): a fake tensor of modattrs' modes
+    now shares the memory of ``data``, so it holds ``data``'s values if ``data`` is a constant of its mode (both
+    listed as aliases, so that a write through either makes both forget), and none otherwise.
+
+    A parameter holds no values (see ``_forget_constant``): a constant whose memory it now shares forgets its own,
+    which a write through the parameter would leave stale. The tensors that shared ``tensor``'s old memory keep
+    their values: that memory is unchanged.
+    """
+    if type(tensor) is not FakeTensor or not isinstance(tensor.fake_mode, ModattrsFakeTensorMode):
+        return
+    mode = tensor.fake_mode
+    given = data.constant if type(data) is FakeTensor and data.fake_mode is mode else None
+    tensor.constant = None
+    if given is None:
+        return
+    assert isinstance(data, FakeTensor)
+    if isinstance(tensor, torch.nn.Parameter):
+        _forget(mode, data)
+        return
+    with DisableTorchFunction(), DisableTorchDispatch():
+        tensor.constant = given.detach()  # a tensor of its own over the same values: t_() of one leaves the other
+    note_constant_alias(mode, data)
+    note_constant_alias(mode, tensor)
+
+
 # --- what is still refused -------------------------------------------------------------------------------------------
 
 
