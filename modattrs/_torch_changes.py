@@ -29,7 +29,7 @@ import torch
 
 from modattrs._deferred import generator
 from modattrs._fake import backward, cuda_guard, spoofed_cuda
-from modattrs._fake.mode import ModattrsFakeTensorMode, copy_constant_first, data_replaced
+from modattrs._fake.mode import ModattrsFakeTensorMode, copy_constant_first, data_for, data_replaced
 from modattrs._torch_private import (
     ENGINE_ENTRY,
     ENGINE_ENTRY_OWNERS,
@@ -104,9 +104,12 @@ def install() -> None:
         #    FakeTensor gets a __deepcopy__ of its own, which copies a constant outside the modes first.
         _replace(FakeTensor, "__deepcopy__", _deepcopy_copying_constants_first)
         # 10. `t.data = x` (set_data) reaches no dispatch mode, and the constant a fake tensor keeps in its __dict__
-        #     stays: FakeTensor gets a `data` property of its own, torch's getter and setter, after which the setter
-        #     gives the tensor the values of the data it now shares, or none.
-        _replace_by(FakeTensor, "data", _data_keeping_constants(FakeTensor.data))
+        #     stays: torch.Tensor.data becomes a property, torch's getter and setter, after which the setter gives a
+        #     fake tensor the values of the data it now shares, or none. torch.tensor(...) on the meta device is
+        #     made below every mode, a plain meta tensor even inside a fake mode (nn.Parameter of it too): given a
+        #     fake meta tensor's data, which any operation on it inside the mode makes, it takes the meta tensor
+        #     that stands for it (torch refused the mix).
+        _replace_by(torch.Tensor, "data", _data_keeping_constants(torch.Tensor.data))
         _base = True
 
 
@@ -296,7 +299,7 @@ def _data_keeping_constants(original: Any) -> property:
     """``Tensor.data`` (a C descriptor), whose setter then tells the fake mode what the tensor now holds."""
 
     def set_data(tensor: torch.Tensor, data: Any) -> None:
-        original.__set__(tensor, data)  # first: it raises for data the tensor cannot take, with nothing changed
+        original.__set__(tensor, data_for(tensor, data))  # first: it raises for data the tensor cannot take
         data_replaced(tensor, data)
 
     return property(original.__get__, set_data, doc=original.__doc__)

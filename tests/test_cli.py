@@ -117,6 +117,22 @@ def test_a_clip_model_with_its_scalar_logit_scale_inspects_on_the_default_cpu(
     assert report["by_dtype"]["float32"]["parameters"] == report["total_parameters"]  # type: ignore[index]
 
 
+def test_a_clip_model_with_its_scalar_logit_scale_inspects_on_the_meta_device_as_bfloat16(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("transformers")
+    import cli_targets
+
+    report = inspect_json(
+        "cli_targets:clip", *(f"{key}={value!r}" for key, value in CLIP_CONFIG.items()), "--device", "meta",
+        "--dtype", "bfloat16", capsys=capsys,
+    )  # fmt: skip
+    real = cli_targets.clip(**CLIP_CONFIG)
+    assert report["total_parameters"] == sum(p.numel() for p in real.parameters())
+    assert list(report["by_device"]) == ["meta"]  # type: ignore[call-overload]
+    assert report["by_dtype"]["bfloat16"]["parameters"] == report["total_parameters"]  # type: ignore[index]
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [

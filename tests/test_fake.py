@@ -190,6 +190,20 @@ def test_small_tensors_made_from_python_values_keep_their_values_right() -> None
             assert value == (0.5 if tensor is parameter else 0)
 
 
+@pytest.mark.parametrize("on_meta", ["device block", "device argument"])
+def test_a_parameter_of_a_python_number_on_the_meta_device_is_cast_through_data_inside_fake_mode(on_meta: str) -> None:
+    with fake_mode(), torch.device("meta") if on_meta == "device block" else torch.device("cpu"):
+        scale = nn.Parameter(torch.tensor(2.6592, device="meta" if on_meta == "device argument" else None))
+        table = torch.tensor([1.0, 2.0], device="meta")
+        kept = scale
+        scale.data = scale.data.to(torch.bfloat16)
+        table.data = table.data.to(torch.float16)
+
+    assert scale is kept
+    assert (scale.dtype, scale.device.type, scale.shape) == (torch.bfloat16, "meta", torch.Size([]))
+    assert (table.dtype, table.device.type, table.shape) == (torch.float16, "meta", torch.Size([2]))
+
+
 def test_layers_that_deep_copy_submodules_end_in_one_fake_mode() -> None:
     with fake_mode(fake_cuda=True) as mode, torch.device("cuda"):
         model = nn.Transformer(

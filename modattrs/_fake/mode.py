@@ -912,6 +912,27 @@ def copy_constant_first(fake: torch.Tensor, memo: dict[int, Any]) -> None:
     memo.setdefault(id(memo), []).append(constant)  # copy's keep-alive list: the id stays the constant's
 
 
+def data_for(tensor: torch.Tensor, data: object) -> object:
+    """What ``tensor.data = data`` sets: ``data``, or, for a meta tensor that is no fake given a fake meta tensor of
+    modattrs' modes, a meta tensor of the fake's shape, strides and dtype, which is what the two stand for.
+
+    ``torch.tensor(..., device="meta")`` (and ``as_tensor``, ``asarray``, ``new_tensor`` of Python data) is made
+    below every dispatch mode, so inside fake mode on the meta device it is a plain meta tensor, and so is
+    ``nn.Parameter`` of it; an operation on it inside the mode makes a fake. ``p.data = p.data.to(dtype)`` (CLIP's
+    ``logit_scale`` cast to bfloat16) would mix the two, which torch refuses.
+    """
+    if (
+        type(data) is FakeTensor
+        and data.device.type == "meta"
+        and isinstance(data.fake_mode, ModattrsFakeTensorMode)
+        and not isinstance(tensor, FakeTensor)
+        and tensor.device.type == "meta"
+    ):
+        with DisableTorchFunction(), DisableTorchDispatch():
+            return torch.empty_strided(data.shape, data.stride(), dtype=data.dtype, device=_META)
+    return data
+
+
 def data_replaced(tensor: torch.Tensor, data: object) -> None:
     """After ``tensor.data = data`` (``set_data``, which no dispatch mode sees): a fake tensor of modattrs' modes
     now shares the memory of ``data``, so it holds ``data``'s values if ``data`` is a constant of its mode (both
