@@ -29,7 +29,7 @@ import torch
 
 from modattrs._deferred import generator
 from modattrs._fake import backward, cuda_guard, spoofed_cuda
-from modattrs._fake.mode import ModattrsFakeTensorMode, copy_constant_first, data_for, data_replaced
+from modattrs._fake.mode import ModattrsFakeTensorMode, copy_constant_first, data_for, data_replaced, note_reduced
 from modattrs._torch_private import (
     ENGINE_ENTRY,
     ENGINE_ENTRY_OWNERS,
@@ -67,7 +67,7 @@ _filters: list[Any] = []  # the entries added to warnings.filters
 
 
 def install() -> None:
-    """Make the base changes (1, 2, 3, 5, 9, 10), once; every ``fake_mode`` entry and ``deferred_init`` call comes
+    """Make the base changes (1, 2, 3, 5, 9, 10, 11), once; every ``fake_mode`` entry and ``deferred_init`` call comes
     here."""
     global _base
     if _base:  # no lock once done
@@ -110,6 +110,10 @@ def install() -> None:
         #     fake meta tensor's data, which any operation on it inside the mode makes, it takes the meta tensor
         #     that stands for it (torch refused the mix).
         _replace_by(torch.Tensor, "data", _data_keeping_constants(torch.Tensor.data))
+        # 11. torch.save and pickle of a fake tensor of modattrs' modes fail on the mode, which refuses to be pickled
+        #     (a fake tensor has no values): FakeTensor gets a __reduce_ex__ of its own, torch's, which first notes
+        #     the tensor so that the refusal names it.
+        _replace(FakeTensor, "__reduce_ex__", _reduce_noting_fakes)
         _base = True
 
 
@@ -303,6 +307,16 @@ def _data_keeping_constants(original: Any) -> property:
         data_replaced(tensor, data)
 
     return property(original.__get__, set_data, doc=original.__doc__)
+
+
+def _reduce_noting_fakes(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __reduce_ex__(*args: Any, **kwargs: Any) -> Any:  # as given: torch's method takes and checks them
+        if args and isinstance(args[0], FakeTensor) and isinstance(args[0].fake_mode, ModattrsFakeTensorMode):
+            note_reduced(args[0])
+        return original(*args, **kwargs)
+
+    return __reduce_ex__
 
 
 def _deepcopy_copying_constants_first(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -208,6 +208,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 with FakeTensorMode():  # torch's own fake tensors: their data property is left as torch's
     fake, other_fake = torch.empty(3), torch.empty(2, dtype=torch.float64)
 real = torch.zeros(2)
+import copy, io, pickle
+
+
+def skipping(save):
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        return save()
+
+
 CALLS = {
     "numpy": "torch.ones(3).numpy().tolist()",
     "numpy(force=True)": "torch.ones(3, requires_grad=True).numpy(force=True).tolist()",
@@ -262,6 +270,10 @@ CALLS = {
     "data of a fake tensor set to a real tensor": "setattr(fake, 'data', torch.ones(2))",
     "data of a fake tensor set to a list": "setattr(fake, 'data', [1.0])",
     "data of a real tensor set": "(setattr(real, 'data', torch.ones(3)), real)",
+    "pickle of a fake tensor": "pickle.dumps(other_fake)",
+    "copy of a fake tensor": "type(copy.copy(other_fake)).__name__",
+    "saving a fake tensor without its data": "skipping(lambda: torch.save(other_fake, io.BytesIO()))",
+    "FakeTensor.__reduce_ex__ without a protocol": "other_fake.__reduce_ex__()",
     "FakeTensor.data.__get__ without a tensor": "torch._subclasses.fake_tensor.FakeTensor.data.__get__(None)",
     "scaled_dot_product_attention": "attention(q, k, v)",
     "scaled_dot_product_attention, keywords": "attention(query=q, key=k, value=v, is_causal=True, scale=0.5)",

@@ -79,6 +79,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
     honours them.
     """
 
+    values_from = "materialize it first (modattrs.deferred.materialize_module): its values are eager construction's"
+
     def __init__(self, record: Record, make_fake_cuda_possible: Callable[[], None]) -> None:
         """``make_fake_cuda_possible`` is called when a recorded operation asks for CUDA before fake CUDA is set up
         (``_torch_changes.install_fake_cuda``, which the public face passes: engines change nothing in torch)."""

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import functools
 import math
+import pickle
+import threading
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn, SupportsIndex
 
 import torch
 
@@ -206,8 +208,16 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         # is not None (a later torch); see _wrap.
         self._fake_attributes: dict[torch.device, dict[str, Any] | None] = {}
 
+    #: How to get values for this mode's tensors, for the message refusing to save them.
+    values_from = "build the model outside fake mode (or with modattrs.deferred.deferred_init, then materialize it)"
+
     def __deepcopy__(self, memo: dict[int, Any]) -> ModattrsFakeTensorMode:
         return self
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # Pickled as part of a fake tensor's __dict__ (torch.save of a fake state_dict): its weak dictionaries made
+        # pickle fail naming none of it. See Note [Saving fake tensors].
+        raise _unsaveable(self)
 
     @property
     def avoid_device_init(self) -> bool:
@@ -957,6 +967,43 @@ def data_replaced(tensor: torch.Tensor, data: object) -> None:
         tensor.constant = given.detach()  # a tensor of its own over the same values: t_() of one leaves the other
     note_constant_alias(mode, data)
     note_constant_alias(mode, tensor)
+
+
+# Note [Saving fake tensors]
+# torch.save and pickle of a fake tensor pickle its __dict__, which holds its mode: with torch's own FakeTensorMode
+# they fail on the mode's weak dictionaries ("Can't pickle local object 'WeakValueDictionary...'"). A fake tensor has
+# no values to save, so modattrs' modes refuse to be pickled with a message naming the tensor (the last fake tensor
+# this thread reduced: FakeTensor.__reduce_ex__ notes it, change 11 in _torch_changes) and the two ways out: values
+# from a real build, or a file of shapes and dtypes only, which torch writes inside
+# torch.serialization.skip_data(materialize_fake_tensors=True) without pickling the mode.
+
+
+class _Reduced(threading.local):
+    def __init__(self) -> None:
+        self.tensor = "a fake tensor"
+
+
+_reduced = _Reduced()
+
+
+def note_reduced(fake: torch.Tensor) -> None:
+    """Note ``fake``, a fake tensor of modattrs' modes that this thread is reducing (to pickle it, most likely), so
+    that the message refusing to pickle its mode names it."""
+    kind = "parameter" if isinstance(fake, torch.nn.Parameter) else "tensor"
+    _reduced.tensor = f"a fake {kind} of shape {tuple(fake.shape)}, {fake.dtype}, on {fake.device}"
+
+
+def _unsaveable(mode: ModattrsFakeTensorMode) -> pickle.PicklingError:
+    tensor = _reduced.tensor
+    return pickle.PicklingError(
+        f"{tensor} cannot be saved or pickled: a fake tensor has no values.\n"
+        "expected: tensors with values, or torch.save inside "
+        "torch.serialization.skip_data(materialize_fake_tensors=True)\n"
+        f"got: {tensor}\n"
+        f"To save values, {mode.values_from}. To save shapes, dtypes and devices only, call torch.save inside "
+        'torch.serialization.skip_data(materialize_fake_tensors=True), and load the file with map_location="meta" '
+        "or inside modattrs.fake.fake_mode()"
+    )
 
 
 # --- what is still refused -------------------------------------------------------------------------------------------
