@@ -30,7 +30,7 @@ import torch
 from modattrs._deferred import generator
 from modattrs._deferred.replay import state_after
 from modattrs._fake import backward, cuda_guard, spoofed_cuda
-from modattrs._fake.mode import ModattrsFakeTensorMode, deep_copy
+from modattrs._fake.mode import ModattrsFakeTensorMode, data_for, data_replaced, deep_copy, note_reduced
 from modattrs._torch_private import (
     ENGINE_ENTRY,
     ENGINE_ENTRY_OWNERS,
@@ -68,7 +68,7 @@ _filters: list[Any] = []  # the entries added to warnings.filters
 
 
 def install() -> None:
-    """Make the base changes (1, 2, 3, 5, 9, 10), once; every ``fake_mode`` entry and ``deferred_init`` call comes
+    """Make the base changes (1, 2, 3, 5, 9 to 12), once; every ``fake_mode`` entry and ``deferred_init`` call comes
     here."""
     global _base
     if _base:  # no lock once done
@@ -116,6 +116,17 @@ def install() -> None:
         #    CUDA) or says what to do (fake_mode's).
         for name in ("to", "cuda"):
             _replace(torch.Tensor, name, _fake_cuda_asked_by_moves)
+        # 11. `t.data = x` (set_data) reaches no dispatch mode, and the constant a fake tensor keeps in its __dict__
+        #     stays: torch.Tensor.data becomes a property, torch's getter and setter, after which the setter gives a
+        #     fake tensor the values of the data it now shares, or none. torch.tensor(...) on the meta device is
+        #     made below every mode, a plain meta tensor even inside a fake mode (nn.Parameter of it too): given a
+        #     fake meta tensor's data, which any operation on it inside the mode makes, it takes the meta tensor
+        #     that stands for it (torch refused the mix).
+        _replace_by(torch.Tensor, "data", _data_keeping_constants(torch.Tensor.data))
+        # 12. torch.save and pickle of a fake tensor of modattrs' modes fail on the mode, which refuses to be pickled
+        #     (a fake tensor has no values): FakeTensor gets a __reduce_ex__ of its own, torch's, which first notes
+        #     the tensor so that the refusal names it.
+        _replace(FakeTensor, "__reduce_ex__", _reduce_noting_fakes)
         _base = True
 
 
@@ -299,6 +310,26 @@ def _numpy_of_real_tensors(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(*args, **kwargs)
 
     return numpy
+
+
+def _data_keeping_constants(original: Any) -> property:
+    """``Tensor.data`` (a C descriptor), whose setter then tells the fake mode what the tensor now holds."""
+
+    def set_data(tensor: torch.Tensor, data: Any) -> None:
+        original.__set__(tensor, data_for(tensor, data))  # first: it raises for data the tensor cannot take
+        data_replaced(tensor, data)
+
+    return property(original.__get__, set_data, doc=original.__doc__)
+
+
+def _reduce_noting_fakes(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __reduce_ex__(*args: Any, **kwargs: Any) -> Any:  # as given: torch's method takes and checks them
+        if args and isinstance(args[0], FakeTensor) and isinstance(args[0].fake_mode, ModattrsFakeTensorMode):
+            note_reduced(args[0])
+        return original(*args, **kwargs)
+
+    return __reduce_ex__
 
 
 def _deepcopy_of_fakes(original: Callable[..., Any]) -> Callable[..., Any]:

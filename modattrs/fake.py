@@ -22,7 +22,7 @@ from modattrs import _torch_changes
 from modattrs._devices import as_device
 from modattrs._fake import spoofed_cuda
 from modattrs._fake.mode import FakeShapeError, FakeValueError, ModattrsFakeTensorMode, check_device
-from modattrs._fake.spoofed_cuda import A100, GPU, H100
+from modattrs._fake.spoofed_cuda import A100, GPU, H100, DeviceProperties
 from modattrs._module_tensors import all_tensors, parameter_like
 from modattrs._torch_private import (
     FakeTensor,
@@ -32,7 +32,10 @@ from modattrs._torch_private import (
     unset_fake_temporarily,
 )
 
-__all__ = ["A100", "GPU", "H100", "FakeShapeError", "FakeValueError", "fake_copy", "fake_mode", "is_fake", "meta_like"]
+__all__ = [
+    "A100", "GPU", "H100", "DeviceProperties", "FakeShapeError", "FakeValueError", "fake_copy", "fake_mode", "is_fake",
+    "meta_like",
+]  # fmt: skip
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -157,5 +160,5 @@ def _active_mode() -> ModattrsFakeTensorMode | None:
 
 
 # Names defined in the engine say where users import them: in tracebacks, reprs, pickles and the docs.
-for _public in (GPU, FakeValueError, FakeShapeError):
+for _public in (GPU, DeviceProperties, FakeValueError, FakeShapeError):
     _public.__module__ = __name__

@@ -48,13 +48,25 @@ def test_the_default_target_is_a_70b_decoder_built_fake_on_a_spoofed_gpu(capsys:
 def test_text_output_shows_the_tree_totals_and_attributes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", *SMALL, "--dtype", "float16", "--depth", "3"]) == 0
     out = capsys.readouterr().out
-    assert "modattrs._cli.default_model:Decoder on cpu as float16 (fake: nothing was allocated)" in out
+    assert "modattrs.default_model:Decoder on cpu as float16 (fake: nothing was allocated)" in out
     assert "peak memory up by" in out
     assert "    0-1  " in out  # layers.0 and layers.1 are the same: one line
     assert "      attention " in out  # depth 3
     for line in ("total: ", "  device cpu ", "  dtype float16 ", "layers.0-1.attention.rotary.cos      VirtualTensor"):
         assert line in out
     assert "constraints {1: 2, 3: 16}" in out
+
+
+def test_the_default_target_is_named_by_a_public_importable_path(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib
+
+    report = inspect_json(*SMALL, capsys=capsys)
+    target = str(report["target"])
+    module_name, _, attribute = target.partition(":")
+
+    assert not any(part.startswith("_") for part in module_name.split("."))
+    built = getattr(importlib.import_module(module_name), attribute)
+    assert (built.__module__, built.__qualname__) == (module_name, attribute)  # what a pickle of the model names
 
 
 def test_depth_limits_the_tree(capsys: pytest.CaptureFixture[str]) -> None:
@@ -65,7 +77,7 @@ def test_depth_limits_the_tree(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_keyword_arguments_are_python_literals(capsys: pytest.CaptureFixture[str]) -> None:
     report = inspect_json(*SMALL, "rope_base=5e5", capsys=capsys)
-    assert report["target"] == "modattrs._cli.default_model:Decoder"
+    assert report["target"] == "modattrs.default_model:Decoder"
     assert report["total_parameters"] == 100 * 64 * 2 + 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64) + 64
 
 
@@ -105,6 +117,22 @@ def test_a_clip_model_with_its_scalar_logit_scale_inspects_on_the_default_cpu(
     assert report["by_dtype"]["float32"]["parameters"] == report["total_parameters"]  # type: ignore[index]
 
 
+def test_a_clip_model_with_its_scalar_logit_scale_inspects_on_the_meta_device_as_bfloat16(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("transformers")
+    import cli_targets
+
+    report = inspect_json(
+        "cli_targets:clip", *(f"{key}={value!r}" for key, value in CLIP_CONFIG.items()), "--device", "meta",
+        "--dtype", "bfloat16", capsys=capsys,
+    )  # fmt: skip
+    real = cli_targets.clip(**CLIP_CONFIG)
+    assert report["total_parameters"] == sum(p.numel() for p in real.parameters())
+    assert list(report["by_device"]) == ["meta"]  # type: ignore[call-overload]
+    assert report["by_dtype"]["bfloat16"]["parameters"] == report["total_parameters"]  # type: ignore[index]
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
@@ -116,7 +144,7 @@ def test_a_clip_model_with_its_scalar_logit_scale_inspects_on_the_default_cpu(
         (["cli_targets:failing", "layers=0"], "cli_targets:failing(layers=0) failed: ValueError: layers must be"),
         (["cli_targets:exiting"], "cli_targets:exiting() failed: SystemExit: 0"),
         (["cli_targets:llama", "a={[]: 1}"], "the value of a is not a Python literal"),
-        (["s='x:y'", "--depth", "0"], "modattrs._cli.default_model:Decoder(s='x:y') failed: TypeError"),
+        (["s='x:y'", "--depth", "0"], "modattrs.default_model:Decoder(s='x:y') failed: TypeError"),
         (["--depth", "-1"], "--depth must be 0 or more, got -1"),
         (["--device", "cuda:8"], "spoofed CUDA has cuda:0 to cuda:7"),
         (["cli_targets:llama", "hidden_size=big"], "the value of hidden_size is not a Python literal: 'big'"),
@@ -173,7 +201,7 @@ def test_python_dash_m_runs_the_command_and_reports_errors_without_a_traceback()
 def test_the_default_model_runs_a_prompt_and_a_decoding_step_with_its_kv_cache() -> None:
     import torch
 
-    from modattrs._cli.default_model import Decoder
+    from modattrs.default_model import Decoder
 
     torch.manual_seed(0)
     model = Decoder(vocab=50, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, batch=2, context=16)
@@ -188,7 +216,7 @@ def test_the_default_model_runs_a_prompt_and_a_decoding_step_with_its_kv_cache()
 def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
     command = f"{sys.executable} -m modattrs inspect {' '.join(SMALL)} | head -1"
     result = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=120, check=False)
-    assert result.stdout.startswith("modattrs._cli.default_model:Decoder on cpu")
+    assert result.stdout.startswith("modattrs.default_model:Decoder on cpu")
     assert "Traceback" not in result.stderr
 
 

@@ -5,6 +5,7 @@ builds as it does eagerly; values of random draws and parameters are still refus
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -123,6 +124,55 @@ def test_a_constant_written_with_random_numbers_or_a_parameter_forgets_its_value
     for forgotten in (drawn_into, view, mixed, filled):
         with pytest.raises(Exception, match="construction-time constants"):
             forgotten.tolist()
+
+
+def test_trunc_normal_of_a_constant_makes_it_and_its_views_forget_their_values(device: str) -> None:
+    drawn_into = torch.zeros(5)
+    view = drawn_into[1:3]
+    nn.init.trunc_normal_(drawn_into, std=0.02)
+    part_drawn = torch.zeros(4)
+    nn.init.trunc_normal_(part_drawn[:2])
+
+    for forgotten in (drawn_into, view, part_drawn):
+        with pytest.raises(Exception, match="construction-time constants"):
+            forgotten.tolist()
+    with pytest.raises(Exception, match="construction-time constants"):
+        bool((drawn_into != 0).any())
+
+
+def test_data_assignment_gives_a_constant_the_values_of_its_new_data_shared_with_it(device: str) -> None:
+    replaced = torch.zeros(3)
+    replaced.data = torch.ones(3)
+    shared = torch.zeros(2)
+    given = torch.arange(2.0)
+    shared.data = given
+    given.add_(5)
+    written = torch.zeros(2)
+    source = torch.arange(2.0)
+    written.data = source
+    written.normal_()
+    unknown = torch.arange(3.0)
+    unknown.data = torch.empty(3)
+
+    assert replaced.tolist() == [1.0, 1.0, 1.0]
+    assert shared.tolist() == [5.0, 6.0]
+    for forgotten in (written, source, unknown):
+        with pytest.raises(Exception, match="construction-time constants"):
+            forgotten.tolist()
+    assert is_fake(replaced)
+    assert replaced.device.type == device
+
+
+def test_a_parameter_given_a_constants_data_holds_no_values_and_the_constant_forgets_its_own(device: str) -> None:
+    scale = nn.Parameter(torch.zeros(2))
+    table = torch.arange(2.0)
+    scale.data = table
+    scale.data = scale.data.to(torch.bfloat16)
+
+    for forgotten in (scale, table):
+        with pytest.raises(Exception, match="construction-time constants"):
+            forgotten.tolist()
+    assert scale.dtype == torch.bfloat16
 
 
 def test_constants_are_bounded_to_4096_elements_but_views_of_a_constant_are_not(device: str) -> None:
@@ -244,6 +294,74 @@ def test_deferred_init_deep_copying_constant_buffers_materializes_bit_identicall
         torch.equal(a, b) for a, b in zip(eager.state_dict().values(), deferred.state_dict().values(), strict=True)
     )
     assert torch.equal(torch.default_generator.get_state(), eager_state)
+
+
+def _scatter_(tensor: torch.Tensor, scale: float) -> torch.Tensor:
+    """An initializer that deferred_init records as one call (registered with register_opaque_init)."""
+    with torch.no_grad():
+        return tensor.copy_(torch.randn(tensor.shape) * scale)
+
+
+class _OpaquelyWritten(nn.Module):
+    """Writes constants with trunc_normal_ and with a registered opaque initializer, then reads them."""
+
+    def __init__(self, writer: str, read: bool) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.zeros(5))
+        self.register_buffer("other", torch.arange(3.0))
+        if writer == "trunc_normal_":
+            nn.init.trunc_normal_(self.table, std=0.02)
+        else:
+            sys.modules[__name__]._scatter_(self.table, 0.5)
+        self.other.mul_(2)
+        self.doubled = self.other.tolist()
+        if read:
+            self.drawn = bool((self.table != 0).any())
+
+
+@pytest.mark.parametrize("writer", ["trunc_normal_", "registered"])
+def test_deferred_init_refuses_values_of_a_constant_an_opaque_initializer_wrote_and_materializes_its_draws(
+    writer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from modattrs.deferred import register_opaque_init
+
+    monkeypatch.setattr(sys.modules[__name__], "_scatter_", _scatter_)  # registering replaces it: for this test only
+    register_opaque_init(sys.modules[__name__], "_scatter_", mutates=0)
+    with pytest.raises(DeferredInitError, match="not a construction-time constant"):
+        deferred_init(_OpaquelyWritten, writer, read=True)
+
+    torch.manual_seed(0)
+    eager = _OpaquelyWritten(writer, read=False)
+    torch.manual_seed(0)
+    deferred = deferred_init(_OpaquelyWritten, writer, read=False)
+    materialize_module(deferred)
+
+    assert deferred.doubled == eager.doubled == [0.0, 2.0, 4.0]
+    assert torch.equal(deferred.table, eager.table)
+    assert bool((deferred.table != 0).all())
+
+
+class _DataReplaced(nn.Module):
+    """Replaces a constant buffer's data, then builds from its values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("widths", torch.zeros(3, dtype=torch.int64))
+        self.widths.data = torch.tensor([2, 3, 4])
+        self.layers = nn.ModuleList(nn.Linear(w, w) for w in self.widths.tolist())
+
+
+def test_deferred_init_reads_the_values_data_assignment_gave_a_constant_and_materializes_them() -> None:
+    torch.manual_seed(0)
+    eager = _DataReplaced()
+    torch.manual_seed(0)
+    deferred = deferred_init(_DataReplaced)
+
+    assert [layer.in_features for layer in deferred.layers] == [2, 3, 4]
+    materialize_module(deferred)
+    assert all(
+        torch.equal(a, b) for a, b in zip(eager.state_dict().values(), deferred.state_dict().values(), strict=True)
+    )
 
 
 @pytest.mark.parametrize("refuse", ["random", "parameter", "written"])

@@ -190,6 +190,55 @@ def test_small_tensors_made_from_python_values_keep_their_values_right() -> None
             assert value == (0.5 if tensor is parameter else 0)
 
 
+@pytest.mark.parametrize("on_meta", ["device block", "device argument"])
+def test_a_parameter_of_a_python_number_on_the_meta_device_is_cast_through_data_inside_fake_mode(on_meta: str) -> None:
+    with fake_mode(), torch.device("meta") if on_meta == "device block" else torch.device("cpu"):
+        scale = nn.Parameter(torch.tensor(2.6592, device="meta" if on_meta == "device argument" else None))
+        table = torch.tensor([1.0, 2.0], device="meta")
+        kept = scale
+        scale.data = scale.data.to(torch.bfloat16)
+        table.data = table.data.to(torch.float16)
+
+    assert scale is kept
+    assert (scale.dtype, scale.device.type, scale.shape) == (torch.bfloat16, "meta", torch.Size([]))
+    assert (table.dtype, table.device.type, table.shape) == (torch.float16, "meta", torch.Size([2]))
+
+
+def test_saving_a_fake_state_dict_is_refused_naming_the_tensor_and_shapes_only_are_saved_inside_skip_data() -> None:
+    import pickle
+
+    with fake_mode():
+        layer = nn.Linear(2, 3)
+        layer.register_buffer("table", torch.arange(4.0))
+
+    for saved, named in ((layer.state_dict(), r"a fake tensor of shape \(3, 2\)"), (layer, "a fake parameter")):
+        with pytest.raises(pickle.PicklingError, match=named) as raised:
+            torch.save(saved, io.BytesIO())
+        message = str(raised.value)
+        assert "\nexpected: tensors with values, or torch.save inside torch.serialization.skip_data(" in message
+        assert "\ngot: a fake " in message
+        assert "build the model outside fake mode" in message
+    file = io.BytesIO()
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(layer.state_dict(), file)
+    file.seek(0)
+    loaded = torch.load(file, map_location="meta")
+    assert {name: (t.shape, t.device.type) for name, t in loaded.items()} == {
+        "weight": ((3, 2), "meta"), "bias": ((3,), "meta"), "table": ((4,), "meta"),
+    }  # fmt: skip
+
+
+def test_saving_a_deferred_state_dict_is_refused_saying_to_materialize_it_first() -> None:
+    import pickle
+
+    from modattrs.deferred import deferred_init
+
+    deferred = deferred_init(nn.Linear, 2, 2)
+
+    with pytest.raises(pickle.PicklingError, match=r"(?s)a fake tensor of shape \(2, 2\).*materialize_module"):
+        torch.save(deferred.state_dict(), io.BytesIO())
+
+
 def test_layers_that_deep_copy_submodules_end_in_one_fake_mode() -> None:
     with fake_mode(fake_cuda=True) as mode, torch.device("cuda"):
         model = nn.Transformer(

@@ -204,6 +204,18 @@ q, k, v = (torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(i)) f
 helper = getattr(nn.init, "_no_grad_trunc_normal_")
 seeded = lambda seed: torch.Generator().manual_seed(seed)
 attention = torch.nn.functional.scaled_dot_product_attention
+from torch._subclasses.fake_tensor import FakeTensorMode
+with FakeTensorMode():  # torch's own fake tensors: their data property is left as torch's
+    fake, other_fake = torch.empty(3), torch.empty(2, dtype=torch.float64)
+real = torch.zeros(2)
+import copy, io, pickle
+
+
+def skipping(save):
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        return save()
+
+
 CALLS = {
     "numpy": "torch.ones(3).numpy().tolist()",
     "numpy(force=True)": "torch.ones(3, requires_grad=True).numpy(force=True).tolist()",
@@ -266,6 +278,16 @@ CALLS = {
     "cuda.get_device_name(0)": "torch.cuda.get_device_name(0)",
     "cuda.get_device_capability(device=0)": "torch.cuda.get_device_capability(device=0)",
     "cuda.get_device_properties(0)": "torch.cuda.get_device_properties(0)",
+    "data of a fake tensor": "(fake.data.shape, fake.data.dtype, type(fake.data).__name__)",
+    "data of a fake tensor set": "(setattr(fake, 'data', other_fake), fake.shape, fake.dtype)",
+    "data of a fake tensor set to a real tensor": "setattr(fake, 'data', torch.ones(2))",
+    "data of a fake tensor set to a list": "setattr(fake, 'data', [1.0])",
+    "data of a real tensor set": "(setattr(real, 'data', torch.ones(3)), real)",
+    "pickle of a fake tensor": "pickle.dumps(other_fake)",
+    "copy of a fake tensor": "type(copy.copy(other_fake)).__name__",
+    "saving a fake tensor without its data": "skipping(lambda: torch.save(other_fake, io.BytesIO()))",
+    "FakeTensor.__reduce_ex__ without a protocol": "other_fake.__reduce_ex__()",
+    "FakeTensor.data.__get__ without a tensor": "torch._subclasses.fake_tensor.FakeTensor.data.__get__(None)",
     "scaled_dot_product_attention": "attention(q, k, v)",
     "scaled_dot_product_attention, keywords": "attention(query=q, key=k, value=v, is_causal=True, scale=0.5)",
     "scaled_dot_product_attention, scale positional": "attention(q, k, v, None, 0.0, True, 0.5)",

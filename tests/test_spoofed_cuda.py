@@ -223,6 +223,20 @@ def test_each_spoofed_device_has_a_uuid_of_its_own_that_stays_the_same_across_bl
         assert one.bytes == list(uuid.UUID(text).bytes)  # type: ignore[attr-defined]
 
 
+def test_device_properties_are_of_a_class_named_by_its_public_module_and_pickle_through_it() -> None:
+    import pickle
+
+    import modattrs.fake
+
+    with fake_mode(fake_cuda=True):
+        properties = torch.cuda.get_device_properties(0)
+
+    assert type(properties).__module__ == "modattrs.fake"
+    assert modattrs.fake.DeviceProperties is type(properties)
+    assert pickle.loads(pickle.dumps(properties)) == properties
+    assert b"cmodattrs.fake\nDeviceProperties\n" in pickle.dumps(properties, protocol=2)
+
+
 def test_device_properties_of_a_gpu_of_your_own_take_what_it_gives_and_say_zero_for_what_it_does_not() -> None:
     l4 = GPU(
         "NVIDIA L4", major=8, minor=9, total_memory=22_491 * 2**20, multi_processor_count=58,

@@ -1,1 +1,1 @@
-"""The command line, ``python -m modattrs``: the ``inspect`` command and the model it inspects by default."""
+"""The command line, ``python -m modattrs``: ``inspect``, whose default model is ``modattrs.default_model``."""

@@ -26,7 +26,7 @@ from modattrs.virtual import VirtualTensor
 
 __all__ = ["main"]
 
-DEFAULT_TARGET = "modattrs._cli.default_model:Decoder"
+DEFAULT_TARGET = "modattrs.default_model:Decoder"
 
 
 class UsageError(Exception):

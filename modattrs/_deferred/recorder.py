@@ -82,6 +82,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
     honours them.
     """
 
+    values_from = "materialize it first (modattrs.deferred.materialize_module): its values are eager construction's"
+
     def __init__(self, record: Record, make_fake_cuda_possible: Callable[[], None]) -> None:
         """``make_fake_cuda_possible`` is called when a recorded operation asks for CUDA before fake CUDA is set up
         (``_torch_changes.install_fake_cuda``, which the public face passes: engines change nothing in torch)."""
@@ -191,11 +193,12 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
     def opaque_call(
         self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], target: FakeTensor
     ) -> FakeTensor:
-        """Record ``func(*args, **kwargs)`` as one call that writes ``target`` in place, without running it."""
+        """Record ``func(*args, **kwargs)`` as one call that writes ``target`` in place, without running it (a
+        constant it writes forgets its values, as in fake mode)."""
         with generator.lock:
             pending = self._begin(func, args, kwargs, (target,), random=True)
             self._finish(pending, target)
-        return target
+        return super().opaque_call(func, args, kwargs, target)
 
     def note_generator(self) -> None:
         """Record where the default CPU generator is if it moved since the last draw (a reseed at the end of

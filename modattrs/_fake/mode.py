@@ -35,9 +35,11 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import pickle
+import threading
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn, SupportsIndex
 
 import torch
 
@@ -207,8 +209,16 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         # is not None (a later torch); see _wrap.
         self._fake_attributes: dict[torch.device, dict[str, Any] | None] = {}
 
+    #: How to get values for this mode's tensors, for the message refusing to save them.
+    values_from = "build the model outside fake mode (or with modattrs.deferred.deferred_init, then materialize it)"
+
     def __deepcopy__(self, memo: dict[int, Any]) -> ModattrsFakeTensorMode:
         return self
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # Pickled as part of a fake tensor's __dict__ (torch.save of a fake state_dict): its weak dictionaries made
+        # pickle fail naming none of it. See Note [Saving fake tensors].
+        raise _unsaveable(self)
 
     @property
     def avoid_device_init(self) -> bool:
@@ -221,7 +231,11 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], target: FakeTensor
     ) -> FakeTensor:
         """``func(*args, **kwargs)``, an initializer that writes ``target`` in place and reads what it draws
-        (``trunc_normal_``), called on a fake tensor of this mode: there are no values to write, so nothing runs."""
+        (``trunc_normal_``), called on a fake tensor of this mode: there are no values to write, so nothing runs.
+        A constant it writes forgets its values, and so do the tensors sharing its memory, as after any other write
+        that is no constant's (it draws: eager code would have other values there)."""
+        if target.constant is not None:
+            _forget(self, target)
         return target
 
     def moving_to_cuda(self, func: Callable[..., Any]) -> None:
@@ -1090,6 +1104,90 @@ def _copy_constant(copied: FakeTensor, constant: torch.Tensor, memo: dict[Any, A
         note_constant_alias(mode, sharing[0])
     if len(sharing) >= 2:
         note_constant_alias(mode, copied)
+
+
+def data_for(tensor: torch.Tensor, data: object) -> object:
+    """What ``tensor.data = data`` sets: ``data``, or, for a meta tensor that is no fake given a fake meta tensor of
+    modattrs' modes, a meta tensor of the fake's shape, strides and dtype, which is what the two stand for.
+
+    ``torch.tensor(..., device="meta")`` (and ``as_tensor``, ``asarray``, ``new_tensor`` of Python data) is made
+    below every dispatch mode, so inside fake mode on the meta device it is a plain meta tensor, and so is
+    ``nn.Parameter`` of it; an operation on it inside the mode makes a fake. ``p.data = p.data.to(dtype)`` (CLIP's
+    ``logit_scale`` cast to bfloat16) would mix the two, which torch refuses.
+    """
+    if (
+        type(data) is FakeTensor
+        and data.device.type == "meta"
+        and isinstance(data.fake_mode, ModattrsFakeTensorMode)
+        and not isinstance(tensor, FakeTensor)
+        and tensor.device.type == "meta"
+    ):
+        with DisableTorchFunction(), DisableTorchDispatch():
+            return torch.empty_strided(data.shape, data.stride(), dtype=data.dtype, device=_META)
+    return data
+
+
+def data_replaced(tensor: torch.Tensor, data: object) -> None:
+    """After ``tensor.data = data`` (``set_data``, which no dispatch mode sees): a fake tensor of modattrs' modes
+    now shares the memory of ``data``, so it holds ``data``'s values if ``data`` is a constant of its mode (both
+    listed as aliases, so that a write through either makes both forget), and none otherwise.
+
+    A parameter holds no values (see ``_forget_constant``): a constant whose memory it now shares forgets its own,
+    which a write through the parameter would leave stale. The tensors that shared ``tensor``'s old memory keep
+    their values: that memory is unchanged.
+    """
+    if type(tensor) is not FakeTensor or not isinstance(tensor.fake_mode, ModattrsFakeTensorMode):
+        return
+    mode = tensor.fake_mode
+    given = data.constant if type(data) is FakeTensor and data.fake_mode is mode else None
+    tensor.constant = None
+    if given is None:
+        return
+    assert isinstance(data, FakeTensor)
+    if isinstance(tensor, torch.nn.Parameter):
+        _forget(mode, data)
+        return
+    with DisableTorchFunction(), DisableTorchDispatch():
+        tensor.constant = given.detach()  # a tensor of its own over the same values: t_() of one leaves the other
+    note_constant_alias(mode, data)
+    note_constant_alias(mode, tensor)
+
+
+# Note [Saving fake tensors]
+# torch.save and pickle of a fake tensor pickle its __dict__, which holds its mode: with torch's own FakeTensorMode
+# they fail on the mode's weak dictionaries ("Can't pickle local object 'WeakValueDictionary...'"). A fake tensor has
+# no values to save, so modattrs' modes refuse to be pickled with a message naming the tensor (the last fake tensor
+# this thread reduced: FakeTensor.__reduce_ex__ notes it, change 12 in _torch_changes) and the two ways out: values
+# from a real build, or a file of shapes and dtypes only, which torch writes inside
+# torch.serialization.skip_data(materialize_fake_tensors=True) without pickling the mode.
+
+
+class _Reduced(threading.local):
+    def __init__(self) -> None:
+        self.tensor = "a fake tensor"
+
+
+_reduced = _Reduced()
+
+
+def note_reduced(fake: torch.Tensor) -> None:
+    """Note ``fake``, a fake tensor of modattrs' modes that this thread is reducing (to pickle it, most likely), so
+    that the message refusing to pickle its mode names it."""
+    kind = "parameter" if isinstance(fake, torch.nn.Parameter) else "tensor"
+    _reduced.tensor = f"a fake {kind} of shape {tuple(fake.shape)}, {fake.dtype}, on {fake.device}"
+
+
+def _unsaveable(mode: ModattrsFakeTensorMode) -> pickle.PicklingError:
+    tensor = _reduced.tensor
+    return pickle.PicklingError(
+        f"{tensor} cannot be saved or pickled: a fake tensor has no values.\n"
+        "expected: tensors with values, or torch.save inside "
+        "torch.serialization.skip_data(materialize_fake_tensors=True)\n"
+        f"got: {tensor}\n"
+        f"To save values, {mode.values_from}. To save shapes, dtypes and devices only, call torch.save inside "
+        'torch.serialization.skip_data(materialize_fake_tensors=True), and load the file with map_location="meta" '
+        "or inside modattrs.fake.fake_mode()"
+    )
 
 
 # --- what is still refused -------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The model ``python -m modattrs inspect`` shows when given no target: a Llama-style decoder written with modattrs.
+"""The model ``python -m modattrs inspect`` shows when given no target, ``modattrs.default_model:Decoder``: a
+Llama-style decoder written with modattrs, importable under this name (and pickled under it).
 
 Rotary tables are :class:`~modattrs.VirtualTensor` s (float32 whatever the model's dtype, computed on whatever
 device the model is on) and each attention layer's KV cache is a :class:`~modattrs.ShapedTensor` constrained on
