@@ -240,6 +240,25 @@ def test_a_view_of_a_registered_view_materializes_as_eager_code_makes_it() -> No
     assert torch.equal(materialized.part, eager.part)
 
 
+class ViewsThroughDroppedViews(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        table = torch.randn(12)
+        self.register_buffer("table", table)
+        self.register_buffer("rows", table.view(3, 4)[1:])  # the view(3, 4) between is kept by nothing else
+        self.register_buffer("tail", table.view(-1)[2:].view(2, 5)[:, 1:])  # three views between
+
+
+def test_a_buffer_viewing_another_through_views_nothing_else_keeps_materializes_as_eager_code_makes_it() -> None:
+    eager, materialized = eager_and_materialized(ViewsThroughDroppedViews)
+    assert_bit_identical(eager, materialized)
+    assert materialized.rows.data_ptr() == materialized.table.data_ptr() + 4 * 4
+    assert materialized.tail.data_ptr() == materialized.table.data_ptr() + 3 * 4
+    materialized.rows.fill_(7)
+    eager.rows.fill_(7)
+    assert torch.equal(materialized.table, eager.table)
+
+
 def test_a_tensor_that_carried_a_graph_comes_back_as_its_value() -> None:
     deferred = materialize_module(deferred_init(ViewsAndGraphs))
     assert deferred.product.grad_fn is None

@@ -188,13 +188,15 @@ def _recurrent_weights_released(scope: list[nn.Module], tensors: list[tuple[str,
 # a view of a registered view (`a` and `b` above) would be refused if these references were not counted, and `a`
 # can only be swapped once `b`'s fake half is gone. The recorder notes, for each view it sees made, the tensor it was
 # made from (`RecordingFakeTensorMode.made_through`); the check counts one reference per chosen view made through a
-# tensor, and the swap takes the views made through the most views first.
+# tensor, and two to a base per view of it that the chosen ones keep alive, chosen or not (`t.view(2, 3)[1:]` alone
+# keeps the dropped `t.view(2, 3)`, which holds `t` twice as well), and the swap takes the views made through the most
+# views first.
 
 
 def _check_swappable(tensors: list[tuple[str, FakeTensor]]) -> None:
     """Raise for a tensor that torch.utils.swap_tensors would refuse, once torch's own fake tensor memo (which holds
     weak references to some) has let go of it."""
-    views_of: dict[int, int] = {}
+    views_of: dict[int, set[int]] = {}  # by base: the addresses of the views alive through the chosen ones
     held_by_views: dict[int, int] = {}  # by address: how many chosen views were made through it
     by_mode: dict[int, tuple[RecordingFakeTensorMode, list[FakeTensor]]] = {}
     for _, tensor in tensors:
@@ -202,8 +204,9 @@ def _check_swappable(tensors: list[tuple[str, FakeTensor]]) -> None:
         assert mode is not None
         base = view_base_of(tensor)
         if base is not None:
-            views_of[id(base)] = views_of.get(id(base), 0) + 1
-            for source in mode.made_through(tensor):
+            through = mode.made_through(tensor)
+            views_of.setdefault(id(base), set()).update([address_of(tensor), *through])
+            for source in through:
                 held_by_views[source] = held_by_views.get(source, 0) + 1
         by_mode.setdefault(id(mode), (mode, []))[1].append(tensor)
     for mode, held in by_mode.values():
@@ -214,11 +217,12 @@ def _check_swappable(tensors: list[tuple[str, FakeTensor]]) -> None:
                 f"{label} cannot be made real in place: something holds a weak reference to it.\n"
                 "torch.utils.swap_tensors refuses such tensors: drop the weak reference first"
             )
-        # A fake view holds its base twice, and the views it was made through once (see Note [A view holds what it
-        # was made from]); the views are swapped first and let go of them.
+        # A fake view holds its base twice, and the views it was made through once, each of which, chosen or not,
+        # holds the base twice too (see Note [A view holds what it was made from]); the views are swapped first and
+        # let go of them.
         allowed = (
             1
-            + 2 * views_of.get(id(tensor), 0)
+            + 2 * len(views_of.get(id(tensor), ()))
             + held_by_views.get(address_of(tensor), 0)
             + (1 if tensor.is_leaf and tensor.requires_grad else 0)
         )
