@@ -386,6 +386,17 @@ def address_of(obj: torch.Tensor | torch.UntypedStorage | torch.Generator) -> in
     return address
 
 
+def negative_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A view of ``tensor`` with the negative bit set, as ``torch._neg_view`` makes. Checked on 2.8 to 2.15."""
+    return torch._neg_view(tensor)
+
+
+def clear_cached_data(tensor: torch.Tensor) -> None:
+    """Drop what torch caches on a tensor that its deep copy must not carry (what ``torch.Tensor.__deepcopy__``
+    clears first). Checked on 2.13."""
+    tensor._clear_non_serializable_cached_data()  # type: ignore[no-untyped-call]
+
+
 def view_base_of(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor a view was made from, or None. Checked on 2.8 to 2.15."""
     return tensor._base

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Union
 import torch
 
 from modattrs._names import callable_name
-from modattrs._torch_private import OpOverload, TreeSpec, address_of, tree_unflatten, version_of
+from modattrs._torch_private import OpOverload, TreeSpec, address_of, negative_view, tree_unflatten, version_of
 
 __all__: list[str] = []
 
@@ -137,7 +137,7 @@ def snapshot(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_conj():
         copy = copy.conj()
     if tensor.is_neg():
-        copy = torch._neg_view(copy)
+        copy = negative_view(copy)
     return copy
 
 

@@ -62,6 +62,7 @@ from modattrs._torch_private import (
     address_of,
     alias_fake,
     call_as_meta,
+    clear_cached_data,
     contiguous_strides,
     dispatch_as_written,
     dynamo_frame_hook,
@@ -1026,7 +1027,7 @@ def deep_copy(tensor: torch.Tensor, memo: dict[Any, Any]) -> torch.Tensor:
             copied.requires_grad_()
         if tensor.grad is not None:
             copied.grad = copy.deepcopy(tensor.grad, memo)
-    tensor._clear_non_serializable_cached_data()  # type: ignore[no-untyped-call]
+    clear_cached_data(tensor)
     state = {name: value for name, value in vars(tensor).items() if name != "constant"}
     vars(copied).update(copy.deepcopy(state, memo))
     if type(copied) is FakeTensor and isinstance(copied.fake_mode, ModattrsFakeTensorMode):
