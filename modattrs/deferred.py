@@ -65,6 +65,7 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
     Raises:
         DeferredInitError: the code reads values of its tensors (``.item()``, ``if t.any():``), which do not exist
             yet, or does something else that cannot be recorded; the message names the operation and where it ran.
+            Also when the code catches such a refused read and goes on: eager code would have had the values.
         TypeError: ``module_fn`` did not return a module.
 
     Raising, it leaves the default CPU generator as it found it.
@@ -78,11 +79,19 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
     with generator.undone_on_failure():  # raising, it leaves the generator as it found it
         record = new_record()
         mode = RecordingFakeTensorMode(record, _torch_changes.install_fake_cuda)
-        with recording(), mode.handed(handed_tensors(module_fn, args, kwargs)):
+        with recording() as refused, mode.handed(handed_tensors(module_fn, args, kwargs)):
             with mode, ValueReads():
                 module = module_fn(*args, **kwargs)
                 if isinstance(module, nn.Module):
                     detach_graphs(module)
+            if refused:  # see Note [A refused read that the constructor catches]
+                raise DeferredInitError(
+                    f"{callable_name(module_fn)} went on after deferred_init refused to read values, and caught the "
+                    f"error:\n{refused[0]}\n"
+                    "Eager construction reads them there and may take another path, so the module recorded may not "
+                    "be the one eager code builds.\n"
+                    "Let the error propagate, or move the read after materialize_module"
+                )
             mode.note_generator()  # a reseed after the last draw still sets where eager construction leaves it
         if not isinstance(module, nn.Module):
             raise TypeError(

@@ -1362,6 +1362,28 @@ def test_a_failed_deferred_init_after_another_one_leaves_the_generator_where_the
     materialize_module(deferred)
     assert_bit_identical(eager, deferred)
 
+class CatchesARefusedRead(nn.Module):
+    """Falls back when a value read fails: eager code never does, deferred code would take the fallback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6))
+        try:
+            positive = bool((self.weight > 0).any())
+        except RuntimeError:
+            positive = False
+        self.register_buffer("sign", torch.tensor(1.0 if positive else -1.0))
+
+
+def test_a_constructor_that_catches_a_refused_read_and_goes_on_is_refused_leaving_the_generator_alone() -> None:
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    with pytest.raises(DeferredInitError, match="went on after deferred_init refused to read values") as raised:
+        deferred_init(CatchesARefusedRead)
+    assert f"{__file__}:" in str(raised.value)  # where the read was
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 
 class SavesTheGenerator(nn.Module):
     """Takes ``torch.get_rng_state()`` between draws, keeps it, and puts it back later."""

@@ -607,9 +607,13 @@ def _needs_values(operation: str) -> DeferredInitError:
     if operation in _VALUE_OPERATIONS:  # what it is called in Python first, and its schema name on a line of its own
         what, named = _VALUE_OPERATIONS[operation], f"operation: {operation}\n"
     if recording_in_this_thread():
-        return DeferredInitError(
+        refusal = (
             f"{what} needs the values of a fake tensor that is not a construction-time constant.\n"
-            f"{named}where: {where()}\n"
+            f"{named}where: {where()}"
+        )
+        _this_thread.refused.append(refusal)
+        return DeferredInitError(
+            f"{refusal}\n"
             f"not constants: random draws, parameters, empty tensors, tensors of more than {CONSTANT_LIMIT} elements\n"
             "deferred_init records one operation at a time, and cannot record values that depend on such data.\n"
             "Move this code after materialize_module, or record the function doing it as one call with "
@@ -644,13 +648,25 @@ def recording_in_this_thread() -> bool:
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[None]:
-    """Marks this thread as running a ``deferred_init`` call's module function."""
+def recording() -> Iterator[list[str]]:
+    """Marks this thread as running a ``deferred_init`` call's module function; yields the list of the value reads
+    refused meanwhile (see Note [A refused read that the constructor catches])."""
     _this_thread.recording = True
+    refused: list[str] = []
+    _this_thread.refused = refused
     try:
-        yield
+        yield refused
     finally:
         _this_thread.recording = False
+        _this_thread.refused = []
+
+
+# Note [A refused read that the constructor catches]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A read of values that no fake tensor has raises DeferredInitError, which construction code may catch (`try: ...
+# except Exception: fallback`) and go on. Eager code had the values and took the other path, so the module recorded
+# is not the one eager construction builds, and materializing it would give other tensors without a word. The reads
+# refused while a module function runs are noted; deferred_init raises when the function returns nonetheless.
 
 
 @dataclass(slots=True, kw_only=True)
