@@ -475,6 +475,30 @@ def test_a_deep_copy_keeps_a_view_a_view_of_the_copied_buffer_as_eager_copies_do
     assert copied.part.device.type == device
 
 
+class _ViewsOfAParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.arange(6.0))
+        with torch.no_grad():
+            self.register_buffer("tail", self.weight.view(-1)[1:])
+            self.register_buffer("grid", self.tail.view(1, -1))
+
+
+def test_a_deep_copys_views_are_no_autograd_views_and_can_be_viewed_after_a_write_as_eager_copies_can(
+    device: str,
+) -> None:
+    copied = copy.deepcopy(_ViewsOfAParameter())
+    with torch.no_grad():
+        copied.tail.fill_(9)
+
+    (row,) = copied.grid.unbind(0)  # a view made under no_grad whose base was written would refuse this
+    assert row.shape == (5,)
+    assert copied.grid._base is None  # eager's copy sets the copied storage into a tensor: no view to autograd
+    assert copied.grid.requires_grad
+    assert copied.grid.untyped_storage()._cdata == copied.tail.untyped_storage()._cdata
+    assert copied.grid.untyped_storage()._cdata != copied.weight.untyped_storage()._cdata  # a parameter is cloned
+
+
 def test_a_deep_copy_of_real_tensors_inside_fake_mode_is_a_fake_copy_keeping_their_values_and_views() -> None:
     real = torch.arange(6.0)
     view = real[2:4]

@@ -1071,9 +1071,12 @@ def _copied_in_place(tensor: torch.Tensor, memo: dict[Any, Any]) -> torch.Tensor
     copied_storage = met[1]
     if copied_storage.dtype != tensor.dtype:
         copied_storage = _hiding_constants(copied_storage.view, copied_storage, tensor.dtype)
-    return _hiding_constants(
+    placed = _hiding_constants(
         copied_storage.as_strided, copied_storage, tensor.shape, tensor.stride(), tensor.storage_offset()
     )
+    # Not a view to autograd, as an eager copy (set_ into the copied storage) is not: a view made under no_grad
+    # whose base is written since refuses to be viewed again (unbind, tolist) where the eager copy works.
+    return placed.detach()
 
 
 def _hiding_constants(method: Callable[..., torch.Tensor], tensor: torch.Tensor, *args: Any) -> torch.Tensor:
