@@ -187,27 +187,28 @@ def _recurrent_weights_released(scope: list[nn.Module], tensors: list[tuple[str,
 # base twice). torch.utils.swap_tensors refuses a tensor held by anything but its Python object, so a module holding
 # a view of a registered view (`a` and `b` above) would be refused if these references were not counted, and `a`
 # can only be swapped once `b`'s fake half is gone. The recorder notes, for each view it sees made, the tensor it was
-# made from (`RecordingFakeTensorMode.made_through`); the check counts one reference per chosen view made through a
-# tensor, and two to a base per view of it that the chosen ones keep alive, chosen or not (`t.view(2, 3)[1:]` alone
-# keeps the dropped `t.view(2, 3)`, which holds `t` twice as well), and the swap takes the views made through the most
-# views first.
+# made from (`RecordingFakeTensorMode.made_through`). Every view that the chosen ones keep alive, chosen or not,
+# counts: it holds its base twice and each view it was made through once (`t.view(2, 3)[1:]` alone keeps the
+# dropped `t.view(2, 3)`, which holds `t` twice as well). The check counts those references, and the swap takes the
+# views made through the most views first.
 
 
 def _check_swappable(tensors: list[tuple[str, FakeTensor]]) -> None:
     """Raise for a tensor that torch.utils.swap_tensors would refuse, once torch's own fake tensor memo (which holds
     weak references to some) has let go of it."""
     views_of: dict[int, set[int]] = {}  # by base: the addresses of the views alive through the chosen ones
-    held_by_views: dict[int, int] = {}  # by address: how many chosen views were made through it
+    held_by_views: dict[int, set[int]] = {}  # by address: the views alive through the chosen ones that hold it
     by_mode: dict[int, tuple[RecordingFakeTensorMode, list[FakeTensor]]] = {}
     for _, tensor in tensors:
         mode = recording_mode(tensor)
         assert mode is not None
         base = view_base_of(tensor)
         if base is not None:
-            through = mode.made_through(tensor)
-            views_of.setdefault(id(base), set()).update([address_of(tensor), *through])
-            for source in through:
-                held_by_views[source] = held_by_views.get(source, 0) + 1
+            alive = [address_of(tensor), *mode.made_through(tensor)]  # each view holds those it was made through
+            views_of.setdefault(id(base), set()).update(alive)
+            for place, holder in enumerate(alive):
+                for source in alive[place + 1 :]:
+                    held_by_views.setdefault(source, set()).add(holder)
         by_mode.setdefault(id(mode), (mode, []))[1].append(tensor)
     for mode, held in by_mode.values():
         mode.forget(held)
@@ -223,7 +224,7 @@ def _check_swappable(tensors: list[tuple[str, FakeTensor]]) -> None:
         allowed = (
             1
             + 2 * len(views_of.get(id(tensor), ()))
-            + held_by_views.get(address_of(tensor), 0)
+            + len(held_by_views.get(address_of(tensor), ()))
             + (1 if tensor.is_leaf and tensor.requires_grad else 0)
         )
         if use_count(tensor) > allowed:
