@@ -247,6 +247,8 @@ class ViewsThroughDroppedViews(nn.Module):
         self.register_buffer("table", table)
         self.register_buffer("rows", table.view(3, 4)[1:])  # the view(3, 4) between is kept by nothing else
         self.register_buffer("tail", table.view(-1)[2:].view(2, 5)[:, 1:])  # three views between
+        self.register_buffer("inner", table.view(-1)[1:])
+        self.register_buffer("inner_tail", self.inner.view(-1)[1:])  # a kept view, viewed through a dropped one
 
 
 def test_a_buffer_viewing_another_through_views_nothing_else_keeps_materializes_as_eager_code_makes_it() -> None:
