@@ -205,6 +205,19 @@ def note_constant_alias(mode: FakeTensorMode, fake: FakeTensor) -> None:
         converter.add_constant_storage_mapping(fake)
 
 
+def unlist_constant_alias(mode: FakeTensorMode, fake: FakeTensor) -> None:
+    """Take ``fake`` off the list of the fakes sharing its constant's storage in ``mode``, before it holds other
+    memory (``.data =``): a later :func:`forget_constant_aliases` of that storage must leave it alone, or it would
+    forget values that the tensors now sharing its memory keep. No public API; checked on 2.8 to 2.15."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    assert fake.constant is not None
+    key = StorageWeakRef(fake.constant._typed_storage())  # type: ignore[no-untyped-call]
+    refs = mode.fake_tensor_converter.constant_storage_mapping.get(key)
+    if refs is not None:
+        refs[:] = [ref for ref in refs if ref() is not fake]
+
+
 #: Guards for a block in which torch functions and operations run as plain CPU torch, past every torch function mode
 #: (the device context, spoofed CUDA) and dispatch mode: the real half of an operation on constants. ``torch._C``'s
 #: guards have no public counterpart (``disable_current_modes`` pops the modes, several times dearer). Checked on 2.8

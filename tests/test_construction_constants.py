@@ -163,6 +163,20 @@ def test_data_assignment_gives_a_constant_the_values_of_its_new_data_shared_with
     assert replaced.device.type == device
 
 
+def test_a_random_write_into_the_memory_a_view_left_by_data_assignment_leaves_it_and_its_new_views_their_values(
+    device: str,
+) -> None:
+    whole = torch.arange(3.0)
+    part = whole[1:]
+    part.data = torch.tensor([-1.5, -0.5])  # part leaves whole's memory
+    tail = part[1:]
+    nn.init.normal_(whole)  # whole's memory only: part and tail keep theirs
+    part.fill_(9)
+
+    assert part.tolist() == [9.0, 9.0]
+    assert tail.tolist() == [9.0]  # before: part forgot its values, tail kept a stale -0.5
+
+
 def test_a_parameter_given_a_constants_data_holds_no_values_and_the_constant_forgets_its_own(device: str) -> None:
     scale = nn.Parameter(torch.zeros(2))
     table = torch.arange(2.0)

@@ -75,6 +75,7 @@ from modattrs._torch_private import (
     overloads_of,
     returns_aliases,
     retype_converter,
+    unlist_constant_alias,
     wrap_meta,
     written_arguments,
 )
@@ -1144,6 +1145,8 @@ def data_replaced(tensor: torch.Tensor, data: object) -> None:
         return
     mode = tensor.fake_mode
     given = data.constant if type(data) is FakeTensor and data.fake_mode is mode else None
+    if tensor.constant is not None:
+        unlist_constant_alias(mode, tensor)  # it no longer shares that memory: writes there no longer reach it
     tensor.constant = None
     if given is None:
         return
