@@ -1364,6 +1364,7 @@ def test_a_failed_deferred_init_after_another_one_leaves_the_generator_where_the
     materialize_module(deferred)
     assert_bit_identical(eager, deferred)
 
+
 class CatchesARefusedRead(nn.Module):
     """Falls back when a value read fails: eager code never does, deferred code would take the fallback."""
 
@@ -1384,7 +1385,6 @@ def test_a_constructor_that_catches_a_refused_read_and_goes_on_is_refused_leavin
         deferred_init(CatchesARefusedRead)
     assert f"{__file__}:" in str(raised.value)  # where the read was
     assert torch.equal(torch.get_rng_state(), before)
-
 
 
 class SavesTheGenerator(nn.Module):
