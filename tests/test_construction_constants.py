@@ -513,6 +513,17 @@ def test_a_deep_copys_views_are_no_autograd_views_and_can_be_viewed_after_a_writ
     assert copied.grid.untyped_storage()._cdata != copied.weight.untyped_storage()._cdata  # a parameter is cloned
 
 
+def test_a_deep_copy_of_a_dtype_view_of_a_matrixs_memory_copies_as_eager_code_does(device: str) -> None:
+    matrix = torch.zeros(2, 3)
+    wide = matrix.view(-1).view(torch.float64)  # the matrix, met first, is copied whole: its last dim is 3
+
+    copied, copied_wide = copy.deepcopy([matrix, wide])
+    copied_wide.fill_(1.0)
+
+    assert copied_wide.shape == (3,)
+    assert copied.untyped_storage()._cdata == copied_wide.untyped_storage()._cdata
+
+
 def test_a_deep_copy_of_real_tensors_inside_fake_mode_is_a_fake_copy_keeping_their_values_and_views() -> None:
     real = torch.arange(6.0)
     view = real[2:4]

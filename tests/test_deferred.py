@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gc
 import inspect
+import io
+import logging
 import os
 import pickle
 import subprocess
@@ -1376,6 +1379,27 @@ class CatchesARefusedRead(nn.Module):
         except RuntimeError:
             positive = False
         self.register_buffer("sign", torch.tensor(1.0 if positive else -1.0))
+
+
+class LogsAValueItCannotRead(nn.Module):
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        logger.info("weight norm %.3f", self.linear.weight.norm())  # logging reports the refusal and goes on
+
+
+def test_a_constructor_logging_a_value_it_cannot_read_builds_and_materializes_as_eager_code() -> None:
+    logger = logging.getLogger(f"{__name__}.refused")
+    logger.propagate = False  # away from pytest's handlers, which raise what a record's formatting raises
+    logger.addHandler(logging.StreamHandler(io.StringIO()))
+    logger.setLevel(logging.INFO)
+    torch.manual_seed(0)
+    eager = LogsAValueItCannotRead(logger)
+    torch.manual_seed(0)
+    with contextlib.redirect_stderr(io.StringIO()):  # logging prints the error it caught
+        deferred = deferred_init(LogsAValueItCannotRead, logger)
+    materialize_module(deferred)
+    assert_bit_identical(eager, deferred)
 
 
 def test_a_constructor_that_catches_a_refused_read_and_goes_on_is_refused_leaving_the_generator_alone() -> None:

@@ -18,7 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
+import os
+import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -611,7 +615,8 @@ def _needs_values(operation: str) -> DeferredInitError:
             f"{what} needs the values of a fake tensor that is not a construction-time constant.\n"
             f"{named}where: {where()}"
         )
-        _this_thread.refused.append(refusal)
+        if not _formatting_a_log_record():
+            _this_thread.refused.append(refusal)
         return DeferredInitError(
             f"{refusal}\n"
             f"not constants: random draws, parameters, empty tensors, tensors of more than {CONSTANT_LIMIT} elements\n"
@@ -666,7 +671,22 @@ def recording() -> Iterator[list[str]]:
 # A read of values that no fake tensor has raises DeferredInitError, which construction code may catch (`try: ...
 # except Exception: fallback`) and go on. Eager code had the values and took the other path, so the module recorded
 # is not the one eager construction builds, and materializing it would give other tensors without a word. The reads
-# refused while a module function runs are noted; deferred_init raises when the function returns nonetheless.
+# refused while a module function runs are noted; deferred_init raises when the function returns nonetheless. One
+# catcher is left out: the logging module, which reports an error raised while formatting a record
+# (`logger.info("%.3f", weight.norm())`) and goes on by design; what it formats steers nothing.
+
+
+def _formatting_a_log_record() -> bool:
+    """Whether the logging module is on this thread's stack (formatting a record, which catches what it raises)."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_LOGGING):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_LOGGING = os.path.dirname(logging.__file__) + os.sep
 
 
 @dataclass(slots=True, kw_only=True)

@@ -1070,8 +1070,9 @@ def _copied_in_place(tensor: torch.Tensor, memo: dict[Any, Any]) -> torch.Tensor
                     all_of_it = tensor.as_strided((elements,), (1,), 0)
             met = storages[address_of(storage)] = (storage, all_of_it.clone())
     copied_storage = met[1]
-    if copied_storage.dtype != tensor.dtype:
-        copied_storage = _hiding_constants(copied_storage.view, copied_storage, tensor.dtype)
+    if copied_storage.dtype != tensor.dtype:  # flat first: a dtype view of many dims needs its last one to divide
+        flat = _hiding_constants(copied_storage.view, copied_storage, -1)
+        copied_storage = _hiding_constants(flat.view, flat, tensor.dtype)
     placed = _hiding_constants(
         copied_storage.as_strided, copied_storage, tensor.shape, tensor.stride(), tensor.storage_offset()
     )
