@@ -240,13 +240,6 @@ def _note_bound(attribute: OwnedAttribute, owner: nn.Module) -> None:
         names[attribute._name] = [*alive, weakref.ref(attribute)]
 
 
-def any_bound() -> bool:
-    """Whether an attribute was bound to a module that is still alive: if not, ``own_attributes`` finds none on
-    any module, and a walk of a module tree looking for them can be skipped."""
-    with _bound_lock:
-        return len(_bound) > 0
-
-
 def _detach_all(owner: nn.Module, name: str) -> None:
     with _bound_lock:
         names: dict[str, list[weakref.ref[OwnedAttribute]]] | None = _bound.get(owner)  # type: ignore[no-untyped-call]

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
+from modattrs import VirtualTensor
 from modattrs._deferred import generator
 from modattrs._deferred.materialize import roots
 from modattrs._deferred.record import Op
@@ -316,6 +317,25 @@ def test_materializing_block_by_block_does_work_linear_in_the_blocks(
     assert large.operations_read <= 6 * small.operations_read, (small.operations_read, large.operations_read)
     if shape == "each block":  # check_fn is called with every submodule, at every call: torchdistx's rule
         assert large.modules_visited <= 6 * small.modules_visited, (small.modules_visited, large.modules_visited)
+
+
+class Rotary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        VirtualTensor(self, "frequencies", "compute_frequencies", cache=True)
+
+    def compute_frequencies(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.arange(4, dtype=dtype, device=device)
+
+
+def test_materializing_block_by_block_stays_linear_while_another_module_holds_a_virtual_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bystander = Rotary()  # alive in the process, in no deferred model: it must not make every block walk the model
+    assert bystander.frequencies.value.tolist() == [0, 1, 2, 3]
+    small = work_to_materialize_block_by_block(20, "each block", monkeypatch)
+    large = work_to_materialize_block_by_block(80, "each block", monkeypatch)
+    assert large.modules_visited <= 6 * small.modules_visited, (small.modules_visited, large.modules_visited)
 
 
 class Holder(nn.Module):

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from modattrs._attribute import any_bound, own_attributes
 from modattrs._deferred.record import DeferredInitError
 from modattrs._deferred.recorder import RecordingFakeTensorMode, value_read_errors
 from modattrs._deferred.replay import replay
@@ -35,7 +34,6 @@ from modattrs._torch_private import (
     use_count,
     view_base_of,
 )
-from modattrs.virtual import VirtualTensor
 
 __all__: list[str] = []
 
@@ -87,7 +85,7 @@ def _replay_and_swap(
     everything = [entry for _, tensors in groups.values() for entry in tensors.values()]
     # See Note [Block by block without walking the model]: the scope is walked only when something is to be found.
     weakly_held = any(weakref.getweakrefcount(tensor) for _, tensor in everything)
-    scope = [found for top in tops for found in top.modules()] if weakly_held or any_bound() else []
+    scope = [found for top in tops for found in top.modules()] if weakly_held else []
     with _recurrent_weights_released(scope, everything):
         _check_swappable(everything)
         saved = torch.default_generator.get_state()
@@ -103,10 +101,8 @@ def _replay_and_swap(
             torch.default_generator.set_state(saved)
             raise
         _swap(swaps)
-    for owner in {id(m): m for m in scope}.values():  # cached values may have been computed from fake tensors
-        for attribute in own_attributes(owner):  # not aliases: theirs is their owners' business
-            if isinstance(attribute, VirtualTensor):
-                attribute.invalidate()
+    # Cached virtual values need no refreshing: a value computed from fake tensors is kept only for the fake mode it
+    # was read in, never for a real reference (_cache._keepable), so nothing kept can outlive the swap.
     if root_mode is not None and module is not None:
         del roots[module]  # all of it is real: the record can go
 
@@ -134,8 +130,9 @@ def _add_aliases(tensors: Chosen, mode: RecordingFakeTensorMode, root: nn.Module
     (``storage_use_count``). When every chosen storage has no reference but those, no other tensor, in the root
     or anywhere, shares it, and the root is not walked; otherwise (a view, a ``.data`` kept as a buffer, a
     leftover of the constructor still alive, or a torch that counts otherwise) it is, as before. The scope's walk
-    for recurrent layers and for modattrs attributes to refresh is skipped likewise when no chosen tensor is
-    weakly referenced (a recurrent layer holds its weights so) and no attribute is bound to any live module.
+    for recurrent layers is skipped likewise when no chosen tensor is
+    weakly referenced (a recurrent layer holds its weights so). Nothing else walks it: cached virtual values are
+    never kept from fake tensors for a real reference, so they need no refreshing after the swap.
     """
     storages = {mode.storage_of(tensor) for _, tensor in tensors.values()}
     if _alone_on_their_storages(tensors):
