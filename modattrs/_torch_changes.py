@@ -31,6 +31,8 @@ from modattrs._deferred import generator
 from modattrs._deferred.replay import state_after
 from modattrs._fake import backward, cuda_guard, spoofed_cuda
 from modattrs._fake.mode import ModattrsFakeTensorMode, data_for, data_replaced, deep_copy, note_reduced
+from modattrs._fake.trunc_normal import as_one_normal as trunc_normal_as_one_normal
+from modattrs._fake.trunc_normal import helper_draws_one_normal
 from modattrs._torch_private import (
     ENGINE_ENTRY,
     ENGINE_ENTRY_OWNERS,
@@ -87,7 +89,9 @@ def install() -> None:
         _filters.append(warnings.filters[0])
         # 3. torch.nn.init.trunc_normal_ samples by rejection, reading values (.item(), mask.any()) that fake tensors
         #    do not have, and has no __torch_function__ hook: its helper, which every caller (transformers' copy
-        #    too) goes through, hands fake tensors to their mode (deferred_init records the call as one step).
+        #    too) goes through, hands fake tensors to their mode (deferred_init records the call as one step), or,
+        #    where its bounds lie beyond anything normal_ returns, runs the one normal_ it then is (see Note
+        #    [trunc_normal_ as one normal_] in _fake.trunc_normal).
         _replace(torch.nn.init, TRUNC_NORMAL_HELPER, _trunc_normal_for_fakes)
         #    The helper warns (a mean far outside [a, b]) naming its caller, two frames up, and the replacement is one
         #    frame more: the `warnings` its module warns through becomes one that does not count the replacement's
@@ -405,6 +409,13 @@ def _trunc_normal_for_fakes(original: Callable[..., torch.Tensor]) -> Callable[.
         if not isinstance(tensor, FakeTensor):
             return original(*args, **kwargs)
         if isinstance(tensor.fake_mode, ModattrsFakeTensorMode):
+            # Bounds beyond anything normal_ returns: the helper is one normal_, which a replay models (windows
+            # draw only a rank's shard of it); see Note [trunc_normal_ as one normal_] in _fake.trunc_normal.
+            one = trunc_normal_as_one_normal(original, tensor.dtype, args, kwargs)
+            if one is not None and helper_draws_one_normal(original):
+                with torch.no_grad():
+                    tensor.normal_(one.mean, one.std, generator=one.generator)
+                return tensor
             return tensor.fake_mode.opaque_call(original, args, kwargs, tensor)
         return tensor  # a fake of torch's own mode: there are no values to write, as for meta tensors
 

@@ -799,8 +799,9 @@ def _reads(pending: _Pending) -> frozenset[int]:
 
 
 def _overwritten(slots: Sequence[Slot], flat: Sequence[Any]) -> frozenset[int]:
-    """The storages a value writer writes whole: its written tensor covers its storage, densely, from offset 0, and
-    no other argument shares that storage (``copy_`` from a view of itself reads it)."""
+    """The storages a value writer writes whole: its written tensor covers its storage, densely, from offset 0, in
+    any order of its dimensions (a ``copy_`` into a transposed weight writes every element of it), and no other
+    argument shares that storage (``copy_`` from a view of itself reads it)."""
     whole: set[int] = set()
     for slot in slots:
         if not slot.written:
@@ -809,12 +810,24 @@ def _overwritten(slots: Sequence[Slot], flat: Sequence[Any]) -> frozenset[int]:
         others = [other for other in slots if other is not slot and other.storage == slot.storage]
         covers = (
             tensor.storage_offset() == 0
-            and tensor.is_contiguous()
             and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
+            and (tensor.is_contiguous() or _dense_in_some_order(tuple(tensor.shape), tensor.stride()))
         )
         if covers and not others:
             whole.add(slot.storage)
     return frozenset(whole)
+
+
+def _dense_in_some_order(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``size`` and ``stride`` visits ``numel`` consecutive elements, each once: taken from
+    the smallest stride up (dimensions of one element aside), each stride is the number of elements the dimensions
+    before it span."""
+    span = 1
+    for length, step in sorted((pair for pair in zip(size, stride, strict=True) if pair[0] != 1), key=lambda p: p[1]):
+        if step != span:
+            return False
+        span *= length
+    return True
 
 
 def _no_draw() -> None:
