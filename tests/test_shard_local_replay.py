@@ -47,7 +47,7 @@ class Block(nn.Module):
         self.scaled = nn.Parameter(torch.empty(29, 6).normal_(0, 0.5).mul_(3.0))  # a draw, then elementwise
         self.tiny = nn.Parameter(torch.empty(3, 2).normal_())  # normal_ on the scalar path (pairs)
         self.cut = nn.Parameter(torch.empty(11, 4))
-        nn.init.trunc_normal_(self.cut, std=0.02)  # rejection sampling: drawn through, made whole
+        nn.init.trunc_normal_(self.cut, std=0.02)  # bounds 100 deviations away: one normal_, drawn shard-local
         self.rotation = nn.Parameter(torch.empty(8, 8))
         nn.init.orthogonal_(self.rotation)  # not modelled: drawn through
         self.wide = nn.Parameter(torch.empty(5, 3, dtype=torch.float64).uniform_(-1, 1))  # fewer rows than ranks
