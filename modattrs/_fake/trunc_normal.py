@@ -109,8 +109,12 @@ def as_one_normal(
     margin = 8 * info.eps * reach + info.tiny
     if reach + margin > info.max / 2:
         return None
-    lo, hi = _in_dtype(a_f, dtype), _in_dtype(b_f, dtype)
-    if not (lo <= mean_f - REACH * std_f - margin and hi >= mean_f + REACH * std_f + margin):
+    lo, hi = _in_dtype(a, dtype), _in_dtype(b, dtype)
+    if (
+        lo is None
+        or hi is None
+        or not (lo <= mean_f - REACH * std_f - margin and hi >= mean_f + REACH * std_f + margin)
+    ):
         return None
     return OneNormal(mean, std, generator)
 
@@ -179,9 +183,11 @@ def _mass_inside(mean: float, std: float, a: float, b: float) -> float:
     return norm_cdf((b - mean) / std) - norm_cdf((a - mean) / std)
 
 
-def _in_dtype(bound: float, dtype: torch.dtype) -> float:
-    """``bound`` cast to ``dtype`` as the helper casts it (``new_tensor(bound).item()``), on a real CPU tensor."""
-    if math.isinf(bound):
-        return bound
+def _in_dtype(bound: object, dtype: torch.dtype) -> float | None:
+    """``bound`` cast to ``dtype`` as the helper casts it (``new_tensor(bound).item()``), on a real CPU tensor; None
+    where torch refuses it (an int beyond int64)."""
     with disable_current_modes():
-        return float(torch.tensor(bound, dtype=dtype, device="cpu").item())
+        try:
+            return float(torch.tensor(bound, dtype=dtype, device="cpu").item())
+        except (RuntimeError, OverflowError):
+            return None
