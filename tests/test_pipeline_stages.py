@@ -76,8 +76,8 @@ def shard_of(full: torch.Tensor, rank: int) -> torch.Tensor:
 
 STAGES = {
     "a middle stage (layers 2 and 3 of 6)": (range(2, 4), False, False),
-    "the first stage (embeddings, layers 0 and 1)": (range(0, 2), True, False),
-    "the whole model, deep-copied": (range(0, 6), True, True),
+    "the first stage (embeddings, layers 0 and 1)": (range(2), True, False),
+    "the whole model, deep-copied": (range(6), True, True),
 }
 
 
