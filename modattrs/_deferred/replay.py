@@ -291,7 +291,8 @@ def _refuse_collectives(record: Record, kept: list[int], targets: Mapping[int, i
         op = record.ops[index]
         # The target named is one whose own slice keeps the collective: what it filled may have been copied or cut
         # since (FSDP2 copies each parameter into a padded shard of its own), and the other targets are innocent.
-        label = next(labels[ref] for ref, storage in targets.items() if index in _slice(record, {ref: storage}).kept)
+        needing = (labels[ref] for ref, storage in targets.items() if index in _slice(record, {ref: storage}).kept)
+        label = next(needing, None) or ", ".join(labels.values())  # the slice of all is the union of each one's
         advice = "Run it after materialize_module"
         if op.func in _SENDING_ONE_RANKS_DATA:
             advice = (
