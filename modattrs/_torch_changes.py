@@ -3,7 +3,8 @@
 Importing modattrs changes nothing. The first use of fake mode or deferred initialization (``fake_mode``,
 ``fake_copy``, ``deferred_init``) calls :func:`install`, which makes the *base* changes, all of them, in the order
 of its body, whichever feature came first; the first ``deferred_init`` calls :func:`install_deferred`, which makes
-them and then the generator change that only deferred initialization needs; the first use of fake CUDA calls
+them and then the generator change that only deferred initialization needs (and, in a process that imported
+``torch.distributed.tensor``, the change to DTensor's scatter and broadcast); the first use of fake CUDA calls
 :func:`install_fake_cuda`, which makes the base changes and then the fake CUDA ones (fewer on a machine with a
 GPU). Each group is made after the base one and touches nothing another group touches, so a process ends in the
 same state whatever order its features were first used in. The engines (``_fake``, ``_deferred``) change nothing
@@ -17,6 +18,7 @@ keeps ``__wrapped__``), and each remembers what it replaced, so :func:`undo` res
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import threading
 import types
@@ -28,12 +30,16 @@ from typing import Any, cast
 import torch
 
 from modattrs._deferred import generator
+from modattrs._deferred.recorder import recorded_together, scatter_own_chunk
 from modattrs._deferred.replay import state_after
 from modattrs._fake import backward, cuda_guard, spoofed_cuda
 from modattrs._fake.mode import ModattrsFakeTensorMode, data_for, data_replaced, deep_copy, note_reduced
 from modattrs._fake.trunc_normal import as_one_normal as trunc_normal_as_one_normal
 from modattrs._fake.trunc_normal import helper_draws_one_normal
 from modattrs._torch_private import (
+    DTENSOR_BROADCAST,
+    DTENSOR_PLACEMENTS,
+    DTENSOR_SCATTER,
     ENGINE_ENTRY,
     ENGINE_ENTRY_OWNERS,
     TRUNC_NORMAL_HELPER,
@@ -64,6 +70,7 @@ class _Replaced:
 _lock = threading.RLock()
 _base = False  # install() done
 _deferred_installed = False  # install_deferred() done
+_dtensor_installed = False  # change 13 made
 _fake_cuda_installed = False
 _replaced: list[_Replaced] = []  # in the order made
 _filters: list[Any] = []  # the entries added to warnings.filters
@@ -138,6 +145,8 @@ def install_deferred() -> None:
     """Make the base changes, then change 4, once; every ``deferred_init`` call comes here."""
     global _deferred_installed
     install()
+    if not _dtensor_installed and DTENSOR_PLACEMENTS in sys.modules:
+        _install_dtensor_sources()
     if _deferred_installed:  # no lock once done
         return
     with _lock:
@@ -153,6 +162,28 @@ def install_deferred() -> None:
         ):
             _replace_under_both_names(name, wrap)
         _deferred_installed = True
+
+
+def _install_dtensor_sources() -> None:
+    """Change 13, once torch.distributed.tensor is imported (importing it takes seconds: modattrs never does)."""
+    global _dtensor_installed
+    with _lock:
+        if _dtensor_installed:
+            return
+        # 13. distribute_tensor and parallelize_module send rank 0's data to the other ranks unless given
+        #     src_data_rank=None, with DTensor's scatter (Shard) and broadcast (Replicate) helpers, which a replay
+        #     cannot run; on the ranks that do not send, the scatter names no source. Where every tensor handed to
+        #     them is a deferred value of one record, the helpers that DTensor's placements call record what they
+        #     deliver instead, this rank's own chunk (see Note [A scatter of a deferred source is the rank's own
+        #     chunk] in _deferred.recorder); anything else goes to torch's. Only the placements' names are
+        #     replaced: DTensor.from_local's check of replicated local tensors, which may differ by rank, is
+        #     torch's.
+        placements = sys.modules[DTENSOR_PLACEMENTS]
+        if callable(getattr(placements, DTENSOR_SCATTER, None)):
+            _replace(placements, DTENSOR_SCATTER, _own_chunk_scattered)
+        if callable(getattr(placements, DTENSOR_BROADCAST, None)):
+            _replace(placements, DTENSOR_BROADCAST, _own_values_broadcast)
+        _dtensor_installed = True
 
 
 def install_fake_cuda() -> None:
@@ -200,7 +231,7 @@ def undo() -> None:
     initialization for the bindings of a CUDA build without a GPU: fake CUDA keeps working after
     ``install_fake_cuda``, with torch's autograd engine.
     """
-    global _base, _deferred_installed, _fake_cuda_installed
+    global _base, _deferred_installed, _fake_cuda_installed, _dtensor_installed
     with _lock:
         while _replaced:
             replaced = _replaced.pop()
@@ -214,7 +245,7 @@ def undo() -> None:
         mutated = getattr(warnings, "_filters_mutated", None)  # private: makes warnings read its filters again
         if mutated is not None:
             mutated()
-        _base = _deferred_installed = _fake_cuda_installed = False
+        _base = _deferred_installed = _fake_cuda_installed = _dtensor_installed = False
 
 
 def _replace(owner: object, name: str, wrap: Wrap) -> None:
@@ -400,6 +431,51 @@ def _names_cuda(positional: tuple[Any, ...], device: object) -> bool:
         if isinstance(value, int) and not isinstance(value, bool):
             return True
     return False
+
+
+def _own_chunk_scattered(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def mesh_scatter(*args: Any, **kwargs: Any) -> Any:  # as given: torch's helper takes and checks them
+        called = _bound(signature, args, kwargs)
+        chunks = called.get("scatter_list")
+        if (
+            called.get("async_op") is False
+            and isinstance(chunks, (list, tuple))
+            and recorded_together([called.get("output"), *chunks])
+        ):
+            mesh, mesh_dim = called["mesh"], called["mesh_dim"]
+            if mesh.get_coordinate() is not None and len(chunks) == mesh.size(mesh_dim):
+                scatter_own_chunk(called["output"], chunks, mesh.get_local_rank(mesh_dim))
+                return None  # as for meta tensors: no work to wait for
+        return original(*args, **kwargs)
+
+    return mesh_scatter
+
+
+def _own_values_broadcast(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def mesh_broadcast(*args: Any, **kwargs: Any) -> Any:  # as given: torch's helper takes and checks them
+        called = _bound(signature, args, kwargs)
+        deferred = called.get("async_op") is False and recorded_together([called.get("tensor")])
+        if deferred and called["mesh"].get_coordinate() is not None:
+            return None  # the source's values are this rank's own: nothing to record
+        return original(*args, **kwargs)
+
+    return mesh_broadcast
+
+
+def _bound(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a call by name, defaults included; empty if they do not fit (torch's call then says why)."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return {}
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def _trunc_normal_for_fakes(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

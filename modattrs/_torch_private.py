@@ -572,6 +572,18 @@ def set_state_dict_element(state_dict: Any, path: tuple[str | int, ...], value: 
     set_element(state_dict, path, value)
 
 
+#: The module of DTensor's placements, whose ``Shard``, ``_StridedShard`` and ``Replicate`` send the data of
+#: ``src_data_rank`` (0 unless given None: ``distribute_tensor``'s default, and ``parallelize_module``'s) through
+#: the two helpers below, imported there by name from ``torch.distributed.tensor._collective_utils`` and looked up
+#: in its namespace at each call. ``mesh_scatter(output, scatter_list, mesh, mesh_dim, async_op, ...)`` gets the
+#: whole list on every rank (only the source's list reaches c10d) and delivers ``scatter_list[i]`` to the rank of
+#: local rank ``i`` on ``mesh_dim``; ``mesh_broadcast(tensor, mesh, mesh_dim, async_op, ...)`` fills ``tensor``
+#: in place. Checked on 2.8 and 2.13.
+DTENSOR_PLACEMENTS = "torch.distributed.tensor.placement_types"
+DTENSOR_SCATTER = "mesh_scatter"
+DTENSOR_BROADCAST = "mesh_broadcast"
+
+
 def dtensor_local(tensor: torch.Tensor) -> torch.Tensor:
     """The local tensor a DTensor holds: ``DTensor.to_local()`` returns another tensor object each time, and
     ``swap_tensors`` has to reach this one. Checked on 2.8 to 2.15."""

@@ -327,7 +327,7 @@ def tensor_parallel(model: nn.Module, mesh: Any, **kwargs: Any) -> nn.Module:
 
 def scenario_tensor_parallel(output: Path) -> dict[str, Any]:
     """Deferred, parallelized with ColwiseParallel and RowwiseParallel, then materialized; distributed without
-    communication (src_data_rank=None), and, refused, with rank 0's values scattered (the default)."""
+    communication (src_data_rank=None), and with rank 0's values scattered (the default)."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     model = tensor_parallel(deferred_init(feed_forward), mesh, src_data_rank=None)
@@ -342,24 +342,16 @@ def scenario_tensor_parallel(output: Path) -> dict[str, Any]:
     model(torch.randn(4, DIM, generator=torch.Generator().manual_seed(0))).pow(2).mean().backward()  # same input
     optimizer.step()
 
+    # The default src_data_rank=0: rank 0's values scattered and broadcast, which every rank holds already.
     torch.manual_seed(0)
-    scattered = deferred_init(feed_forward)
-    refused_at = refused = None
-    try:
-        scattered = tensor_parallel(scattered, mesh)  # torch 2.8 cannot run c10d's scatter on fake tensors
-        refused_at = "materialize_module"
-        materialize_module(scattered)
-        refused_at = refused = None
-    except modattrs.deferred.DeferredInitError as error:
-        refused_at = refused_at or "parallelize_module"
-        refused = str(error)
+    scattered = materialize_module(tensor_parallel(deferred_init(feed_forward), mesh))
     return {
         "shards": shards,
         "placements": placements,
         "generator": generator,
         "trained_finite": all(p.full_tensor().isfinite().all() for p in model.parameters()),
-        "refused": refused,
-        "refused_at": refused_at,
+        "scattered_shards": {name: p._local_tensor.detach().clone() for name, p in scattered.named_parameters()},
+        "scattered_generator": torch.get_rng_state(),
         "scattered_still_deferred": is_deferred(scattered),
     }
 

@@ -7,7 +7,6 @@ teardown fails the test. The workers are in distributed_workers.py.
 from __future__ import annotations
 
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -134,7 +133,7 @@ def test_fsdp2_sharded_deferred_model_materializes_every_rank_shard_as_the_eager
             assert saved["trained_finite"], where
 
 
-def test_tensor_parallel_deferred_model_materializes_each_rank_slice_and_refuses_scattered_values(
+def test_tensor_parallel_deferred_model_materializes_each_rank_slice_whether_or_not_rank_0s_values_are_sent(
     tmp_path: Path,
 ) -> None:
     from tests.distributed_workers import feed_forward
@@ -150,33 +149,16 @@ def test_tensor_parallel_deferred_model_materializes_each_rank_slice_and_refuses
             "2.weight": [("Shard", 1)],
             "2.bias": [("Replicate", None)],
         }
-        for name, parameter in eager.items():
-            ((kind, dim),) = saved["placements"][name]
-            expected = parameter.detach() if kind == "Replicate" else torch.chunk(parameter.detach(), 2, dim)[rank]
-            assert torch.equal(saved["shards"][name], expected), f"rank {rank}: {name}"
+        # src_data_rank=None, then the default (rank 0's values scattered and broadcast): the same slices.
+        for shards in ("shards", "scattered_shards"):
+            for name, parameter in eager.items():
+                ((kind, dim),) = saved["placements"][name]
+                expected = parameter.detach() if kind == "Replicate" else torch.chunk(parameter.detach(), 2, dim)[rank]
+                assert torch.equal(saved[shards][name], expected), f"rank {rank}, {shards}: {name}"
         assert torch.equal(saved["generator"], generator)
+        assert torch.equal(saved["scattered_generator"], generator)
         assert saved["trained_finite"]
-        # With src_data_rank left at 0, rank 0's values are scattered: a collective, which a replay cannot run. Where
-        # c10d's scatter has no meta kernel (torch 2.8), fake tensors cannot run it: refused while parallelizing.
-        assert saved["refused"] is not None
-        if torch._C._dispatch_has_kernel_for_dispatch_key("c10d::scatter_", "Meta"):
-            assert saved["refused_at"] == "materialize_module"
-            assert re.match(
-                r"parameter '[02]\.(weight|bias)' \(Linear\) \(this rank's local tensor of the DTensor\) cannot "
-                r"be materialized: its values come from a collective\.\n"
-                r"collective: c10d\.(scatter|broadcast)_\.default\n",
-                saved["refused"],
-            ), saved["refused"]
-        else:
-            assert saved["refused_at"] == "parallelize_module"
-            assert re.match(
-                r"c10d\.(scatter|broadcast)_\.default is a collective that would send data between ranks while "
-                r"deferred, and this torch cannot run it on fake tensors\.\nwhere: ",
-                saved["refused"],
-            ), saved["refused"]
-        assert "Pass src_data_rank=None to parallelize_module or distribute_tensor" in saved["refused"]
-        assert "Or materialize_module first, then parallelize" in saved["refused"]
-        assert saved["scattered_still_deferred"]
+        assert not saved["scattered_still_deferred"]
 
 
 def test_fsdp2_mixed_precision_virtual_values_follow_the_compute_dtype_where_asked(tmp_path: Path) -> None:

@@ -77,6 +77,10 @@ def _replay_and_swap(
     tops = [] if module is None else [module]  # the scope: these modules and their submodules
     for mode, tensors in groups.values():
         recorded_root = mode.record.root() if mode.record.root is not None else None
+        if module is not None and module is not recorded_root:
+            # A deep copy (a pipeline stage) holds what FSDP2 keeps for it on storages of its own, which the root
+            # never sees: see Note [A deep copy's shards are its own].
+            _add_aliases(tensors, mode, module, walked=full)
         if recorded_root is not None:
             _add_aliases(tensors, mode, recorded_root, walked=full and recorded_root is module)
             if recorded_root is not module:
@@ -143,6 +147,16 @@ def _add_aliases(tensors: Chosen, mode: RecordingFakeTensorMode, root: nn.Module
             continue
         if mode.storage_of(tensor) in storages:
             tensors[id(tensor)] = (label, tensor)
+
+
+# Note [A deep copy's shards are its own]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A deep copy of a deferred module records into the original's record (its fake tensors are clones made by it),
+# but nothing of it is under the module deferred_init returned: torchtitan's pipeline split copies the model,
+# deletes the original and applies fully_shard to the copy, whose padded shards live only there. So the module
+# being materialized is searched as well as the recorded root (which may be gone, or hold nothing of the copy). For a
+# module under the root (a block), that adds a search of the block, and only when the root's would run too (its
+# chosen storages are not alone on their storages): block by block stays linear.
 
 
 def _alone_on_their_storages(tensors: Chosen) -> bool:

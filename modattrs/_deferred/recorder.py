@@ -402,6 +402,10 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             if self._key_of(tensor) != key:
                 self._keep_place(slot, key)
         out_refs, writes, device = self._name_results(pending, result)
+        if is_collective(pending.func):
+            # c10d's schemas do not mark the tensors they fill as written: they come back as results, with their
+            # argument's ref. Written they are, whatever else views their storage (a scatter into a row of a weight).
+            writes = writes.union([slot.storage for slot in pending.slots if slot.ref in out_refs])
         results = results_of(pending.func, out_refs, self.record.layouts)
         op = Op(
             func=pending.func,
@@ -872,3 +876,36 @@ def _mutated_arguments(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
 def _is_default(generator: torch.Generator) -> bool:
     # The dispatcher hands the default generator over as a new Python object: compare what it wraps.
     return address_of(generator) == address_of(torch.default_generator)
+
+
+# Note [A scatter of a deferred source is the rank's own chunk]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# distribute_tensor, and parallelize_module's styles through it, send the data of src_data_rank (rank 0 by default)
+# to the other ranks: a scatter of its chunks for Shard (and _StridedShard), a broadcast for Replicate. A replay
+# cannot run a collective (each rank materializes on its own, when it chooses), and on a rank other than the
+# source the scatter names no source at all: only the source hands its list to c10d. But every rank records the
+# same deferred model (the same construction, the same seed), so the source's chunk for this rank holds the values
+# of this rank's own chunk, which this rank computed too. DTensor's scatter of chunks that are all deferred values
+# of one record is recorded as what it delivers: this rank's chunk copied into the output, an ordinary operation
+# that replays exactly, draws nothing and reads only that chunk (so a shard-local window still reads only the part
+# of the source the rank keeps). A broadcast of a deferred value fills it in place with the source's values, which
+# are its own: it records nothing. A collective whose tensors are not all deferred values of one record, one
+# asked to run asynchronously, and any other collective, run as torch runs them; a replay refuses them.
+
+
+def recorded_together(tensors: Sequence[object]) -> bool:
+    """Whether ``tensors`` are all fake tensors of the record of one ``deferred_init`` call."""
+    modes = {
+        id(tensor.fake_mode)
+        if isinstance(tensor, FakeTensor) and isinstance(tensor.fake_mode, RecordingFakeTensorMode)
+        else None
+        for tensor in tensors
+    }
+    return bool(modes) and None not in modes and len(modes) == 1
+
+
+def scatter_own_chunk(output: torch.Tensor, chunks: Sequence[torch.Tensor], local_rank: int) -> None:
+    """Record what a scatter of deferred ``chunks`` delivers into ``output`` on the rank of ``local_rank`` in its
+    group: that chunk (see Note [A scatter of a deferred source is the rank's own chunk])."""
+    with torch.no_grad():  # a collective records no autograd history either
+        output.copy_(chunks[local_rank])

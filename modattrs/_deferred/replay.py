@@ -279,28 +279,40 @@ def _check_devices(record: Record, kept: Iterable[int], device: torch.device | N
 def _refuse_collectives(record: Record, kept: list[int], targets: Mapping[int, int], labels: Mapping[int, str]) -> None:
     """Raise if what is needed depends on a collective (a scatter, a broadcast) that ran on fake tensors.
 
-    ``distribute_tensor`` and ``parallelize_module`` send rank 0's data to the other ranks unless given
-    ``src_data_rank=None``; on a deferred tensor, that records a collective. A replay cannot run one: each rank
-    materializes on its own, what and when it chooses, so the other ranks would not be there to answer. Every rank
-    slices alike, so all of them raise.
+    A collective on deferred tensors is recorded as such, except DTensor's scatter and broadcast of deferred
+    values, which record this rank's own part (see Note [A scatter of a deferred source is the rank's own chunk]).
+    A replay cannot run one: each rank materializes on its own, what and when it chooses, so the other ranks would
+    not be there to answer. Every rank slices alike, so all of them raise.
     """
     kept_ones = set(kept) if record.collectives else ()
     for index in record.collectives:
         if index not in kept_ones:
             continue
         op = record.ops[index]
-        # c10d's schemas do not mark the tensors they fill as written: they are results with their argument's ref.
-        filled = op.writes | {slot.storage for slot in op.slots if slot.ref in op.out_refs}
-        label = next((labels[ref] for ref, storage in targets.items() if storage in filled), None)
+        # The target named is one whose own slice keeps the collective: what it filled may have been copied or cut
+        # since (FSDP2 copies each parameter into a padded shard of its own), and the other targets are innocent.
+        needing = (labels[ref] for ref, storage in targets.items() if index in _slice(record, {ref: storage}).kept)
+        label = next(needing, None) or ", ".join(labels.values())  # the slice of all is the union of each one's
+        advice = "Run it after materialize_module"
+        if op.func in _SENDING_ONE_RANKS_DATA:
+            advice = (
+                "distribute_tensor and parallelize_module (src_data_rank=0) send rank 0's data with DTensor's own "
+                "scatter and broadcast, which are replayed as this rank's own part when all they send is deferred "
+                "and torch.distributed.tensor was imported before deferred_init; this one is not such a call.\n"
+                "Pass src_data_rank=None to parallelize_module or distribute_tensor: every rank's deferred module "
+                "holds the same values, so each rank cuts its own part without communication.\n"
+                "Or materialize_module first, then parallelize"
+            )
         raise DeferredInitError(
-            f"{label or next(iter(labels.values()))} cannot be materialized: its values come from a collective.\n"
+            f"{label} cannot be materialized: its values come from a collective.\n"
             f"collective: {op.name}\n"
             "A replay cannot run collectives; this one sent data between ranks while the tensor was deferred.\n"
-            "distribute_tensor and parallelize_module send rank 0's values unless given src_data_rank=None.\n"
-            "Pass src_data_rank=None to parallelize_module or distribute_tensor: every rank's deferred module holds "
-            "the same values, so each rank cuts its own part without communication.\n"
-            "Or materialize_module first, then parallelize"
+            f"{advice}"
         )
+
+
+# c10d's collectives that send one rank's data to the others, as distribute_tensor does.
+_SENDING_ONE_RANKS_DATA = frozenset({torch.ops.c10d.scatter_.default, torch.ops.c10d.broadcast_.default})
 
 
 def is_collective(func: object) -> bool:

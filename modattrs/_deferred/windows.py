@@ -97,6 +97,12 @@ _METADATA = frozenset(
         aten.new_full.default,
     }
 )
+# Operations that read the sizes and strides of a tensor besides its dtype and device, and none of its values:
+# given a stand-in of that geometry whose values are never set. DTensor's scatter makes its output so, from the
+# first chunk (see Note [A scatter of a deferred source is the rank's own chunk]), which a rank's window lacks.
+_GEOMETRY = frozenset(
+    {aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default}
+)
 # In-place operations that write each element from that element alone (besides numbers).
 _ELEMENTWISE_EXTRA = frozenset({aten.fill_.Scalar, aten.zero_.default})
 
@@ -320,7 +326,7 @@ def _window(
                 if not made.dtypes <= {whole.dtype}:
                     return None
                 roles[index] = Role.VIEW
-            elif func in _METADATA and storage not in made.storages:
+            elif (func in _METADATA or func in _GEOMETRY) and storage not in made.storages:
                 roles[index] = Role.METADATA
             elif storage in made.storages:
                 return None  # makes a tensor on this storage without being a view
@@ -412,10 +418,13 @@ def _in_place_pointwise(func: OpOverload) -> bool:
 
 def window_arguments(op: Op, windows: Mapping[int, Window], env: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """The tensors to call ``op`` with, by position: ``env``'s, and for a ref on a window that ``env`` lacks (one
-    that spans more than the window, which only metadata reads are given), a stand-in of its dtype and device."""
+    that spans more than the window, which only metadata reads are given), a stand-in of its dtype and device, and
+    for an operation that reads its geometry, of its sizes and strides too (never written, never read)."""
     tensors = {}
     for slot in op.slots:
         found = env.get(slot.ref)
+        if found is None and op.func in _GEOMETRY:
+            found = torch.empty_strided(slot.size, slot.stride, dtype=slot.dtype, device="cpu")
         tensors[slot.index] = windows[slot.storage].stand_in() if found is None else found
     return tensors
 

@@ -1,0 +1,238 @@
+"""DTensor's scatter and broadcast of a deferred tensor (``distribute_tensor``'s default ``src_data_rank=0``) give
+each rank the eager model's slice, as if each rank had cut its own; other collectives are refused, naming the tensor.
+
+Every rank records the same deferred model, so the chunk that rank 0 would send a rank holds that rank's own
+values. Ranks run one at a time in this process on torch's fake process group (nothing is sent); ``tests/
+test_distributed.py`` runs ``parallelize_module``'s default on real gloo groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator, Sequence
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from modattrs.deferred import DeferredInitError, deferred_init, is_deferred, materialize_module
+
+
+@contextlib.contextmanager
+def fake_world(shape: tuple[int, ...], rank: int) -> Iterator[DeviceMesh]:
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(shape))
+    try:
+        yield init_device_mesh("cpu", shape)
+    finally:
+        dist.destroy_process_group()
+
+
+def holder(rows: int, columns: int) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        module = nn.Module()
+        module.before = nn.Parameter(torch.empty(7, 3).uniform_())  # draws before and after the distributed one
+        module.weight = nn.Parameter(torch.empty(rows, columns))
+        nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+        module.after = nn.Parameter(torch.randn(13))
+        return module
+
+    return make
+
+
+def eager(make: Callable[[], nn.Module]) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = make()
+    return model, torch.get_rng_state()
+
+
+def dtensor_slice(full: torch.Tensor, placements: Sequence[Placement], mesh: DeviceMesh) -> torch.Tensor:
+    """The local tensor DTensor gives this rank: for each mesh dim in order, the chunk of its coordinate along the
+    sharded dim (torch.chunk's sizes; an empty one past the last chunk)."""
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    local = full.detach()
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            chunks = torch.chunk(local, mesh.size(mesh_dim), dim=placement.dim)
+            index = coordinate[mesh_dim]
+            local = chunks[index] if index < len(chunks) else local.narrow(placement.dim, 0, 0)
+    return local
+
+
+LAYOUTS: dict[str, tuple[tuple[int, ...], list[Placement], tuple[int, int]]] = {
+    "Shard(0)": ((8,), [Shard(0)], (48, 5)),
+    "Shard(1)": ((8,), [Shard(1)], (5, 48)),
+    "Shard(0), uneven: 13 rows over 8 ranks": ((8,), [Shard(0)], (13, 5)),
+    "Shard(1), uneven: 30 columns over 8 ranks": ((8,), [Shard(1)], (4, 30)),
+    "Replicate": ((8,), [Replicate()], (9, 5)),
+    "2-D mesh, Shard(0) x Shard(1)": ((2, 4), [Shard(0), Shard(1)], (10, 18)),
+    "2-D mesh, Replicate x Shard(0) (HSDP)": ((2, 4), [Replicate(), Shard(0)], (22, 3)),
+    "2-D mesh, Shard(0) x Shard(0)": ((2, 4), [Shard(0), Shard(0)], (24, 3)),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("rank", [0, 4, 7])
+def test_distribute_tensor_sending_rank_0s_deferred_values_gives_each_rank_the_eager_slice(
+    layout: str, rank: int
+) -> None:
+    shape, placements, (rows, columns) = LAYOUTS[layout]
+    make = holder(rows, columns)
+    reference, state_after_eager = eager(make)
+    with fake_world(shape, rank) as mesh:
+        torch.manual_seed(0)
+        model = deferred_init(make)
+        model.weight = nn.Parameter(distribute_tensor(model.weight, mesh, placements))  # src_data_rank=0
+        materialize_module(model)
+        assert not is_deferred(model)
+        local = model.weight.to_local()  # type: ignore[operator]
+        assert torch.equal(local, dtensor_slice(reference.weight, placements, mesh))
+        assert torch.equal(model.before, reference.before)
+        assert torch.equal(model.after, reference.after)
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+
+
+@pytest.mark.parametrize("rank", [0, 5, 7])
+def test_tensor_parallel_with_rank_0s_values_sent_then_fsdp2_on_a_2d_mesh_gives_each_rank_the_eager_slice(
+    rank: int,
+) -> None:
+    """torchtitan's FSDP x TP: parallelize_module over tp with its default src_data_rank=0, fully_shard over dp
+    (FSDP2 cuts each local tensor again, along dim 0)."""
+    make = lambda: nn.Sequential(nn.Linear(16, 40), nn.ReLU(), nn.Linear(40, 16))  # noqa: E731
+    reference, state_after_eager = eager(make)
+    with contextlib.ExitStack() as stack:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
+        stack.callback(dist.destroy_process_group)
+        mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(0)
+        model = deferred_init(make)
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        materialize_module(model)
+        assert not is_deferred(model)
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None
+        dp, tp = coordinate
+        tensor_parallel_dim = {"0.weight": 0, "0.bias": 0, "2.weight": 1, "2.bias": None}
+        for name, parameter in model.named_parameters():
+            full = reference.get_parameter(name).detach()
+            dim = tensor_parallel_dim[name]
+            part = full if dim is None else torch.chunk(full, 2, dim)[tp]
+            chunks = torch.chunk(part, 4, dim=0)
+            expected = chunks[dp] if dp < len(chunks) else part[:0]
+            assert torch.equal(parameter.to_local(), expected), name  # type: ignore[operator]
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+
+
+class MoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Parameter(torch.randn(5, 6, 5))  # 5 rows over 4 ranks: FSDP2 pads, into new memory
+
+
+class Experts(nn.Module):
+    """Embeddings first, then expert weights: the latter alone go through a collective."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(11, 6)
+        self.moe = MoE()
+        self.output = nn.Linear(6, 11)
+
+
+def broadcast_directly(model: nn.Module, mesh: DeviceMesh) -> None:
+    dist.broadcast(model.moe.experts.detach(), src=0)  # c10d's own broadcast: not DTensor's, not modelled
+
+
+def scatter_real_chunks(model: nn.Module, mesh: DeviceMesh) -> None:
+    # rank 0's real data, from outside the record, into this rank's part of the deferred weight
+    chunks = list(torch.ones(4, 6, 5).chunk(4)) if dist.get_rank() == 0 else None
+    dist.scatter(model.moe.experts.detach()[:1], chunks, src=0)
+
+
+def all_reduced(model: nn.Module, mesh: DeviceMesh) -> None:
+    dist.all_reduce(model.moe.experts.detach())  # the sum of every rank's values: not this rank's own
+
+
+REFUSED = {
+    "c10d's broadcast": broadcast_directly,
+    "a scatter of real data": scatter_real_chunks,
+    "an all-reduce": all_reduced,
+}
+
+
+@pytest.mark.parametrize("collective", list(REFUSED))
+@pytest.mark.parametrize("sharded", [False, True], ids=["kept whole", "then sharded by FSDP2"])
+@pytest.mark.parametrize("rank", [0, 3])
+def test_a_collective_the_replay_does_not_model_is_refused_naming_the_tensor_it_filled(
+    collective: str, sharded: bool, rank: int
+) -> None:
+    with fake_world((4,), rank) as mesh:
+        torch.manual_seed(0)
+        model = deferred_init(Experts)
+        REFUSED[collective](model, mesh)
+        if sharded:  # FSDP2 copies each parameter into a padded shard of its own: not what the collective filled
+            fully_shard(model, mesh=mesh)
+        with pytest.raises(DeferredInitError) as raised:
+            materialize_module(model)
+        message = str(raised.value)
+        assert re.match(
+            r"parameter 'moe\.experts' \((FSDP)?MoE\).* cannot be materialized: its values come from a collective\.\n",
+            message,
+        ), message
+        assert re.search(r"\ncollective: c10d\.\w+\.default\n", message), message
+        assert is_deferred(model)  # left as it was
+
+
+# A rank's peak memory: run in a process of its own, so that the high-water mark is the replay's.
+MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import re
+    from pathlib import Path
+    import torch, torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from modattrs.deferred import deferred_init, materialize_module
+
+    def high_water_mib():
+        return int(re.search(r"VmHWM:\\s+(\\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
+
+    size, rank = 8, 5
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
+    mesh = init_device_mesh("cpu", (size,))
+    torch.manual_seed(0)
+    model = deferred_init(nn.Linear, 4096, 4096, bias=False)
+    model.weight = nn.Parameter(distribute_tensor(model.weight, mesh, [Shard(0)]))  # rank 0's chunks scattered
+    materialize_module(deferred_init(nn.Linear, 8, 8))  # first uses out of the measure
+    Path("/proc/self/clear_refs").write_text("5")
+    before = high_water_mib()
+    materialize_module(model)
+    print(high_water_mib() - before, model.weight.to_local().nbytes / 2**20)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the resident set's high-water mark")
+def test_a_rank_given_its_scattered_chunk_makes_that_chunk_not_the_whole_parameter() -> None:
+    environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT], env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    growth_mib, shard_mib = map(float, done.stdout.split())
+    parameter_mib = 4096 * 4096 * 4 / 2**20  # 64 MiB, rank 5's chunk 8 MiB, chunks 0 to 5 48 MiB
+    assert growth_mib < parameter_mib / 2, f"peak grew by {growth_mib:.1f} MiB for a {shard_mib:.1f} MiB chunk"
