@@ -29,6 +29,7 @@ from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import parallel_dims as parallel_dims_module
 from torchtitan.models import deepseek_v3, llama3
+from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config
@@ -40,8 +41,13 @@ def use_cpu_meshes() -> None:
     parallel_dims_module.device_type = "cpu"  # type: ignore[attr-defined]
 
 
-def llama3_config(*, layers: int = 2, dim: int = 64, heads: int = 8, vocab: int = 2048) -> Any:
-    """torchtitan's Llama3 (``llama3._debugmodel`` made smaller): its initializers, fused wqkv and sharding plan."""
+def llama3_config(
+    *, layers: int = 2, dim: int = 64, heads: int = 8, vocab: int = 2048, cpu_attention: bool = False
+) -> Any:
+    """torchtitan's Llama3 (``llama3._debugmodel`` made smaller): its initializers, fused wqkv and sharding plan.
+
+    ``cpu_attention`` selects torch's SDPA for its inner attention (its language models allow only flex and varlen
+    attention in 0.3.0, neither of which runs eagerly on CPU): for a forward pass on CPU ranks."""
     config = llama3.Llama3Model.Config(
         dim=dim,
         vocab_size=vocab,
@@ -60,6 +66,9 @@ def llama3_config(*, layers: int = 2, dim: int = 64, heads: int = 8, vocab: int 
             attn_backend="flex",
         ),
     )
+    if cpu_attention:
+        for layer in config.layers:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
     set_llama3_sharding_config(config, enable_sp=ParallelismConfig().enable_sequence_parallel)
     return config
 
