@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as compute_local_shape_and_global_offset
+from torch.distributed.tensor._utils import (
+    _compute_local_shape_and_global_offset as compute_local_shape_and_global_offset,
+)
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from modattrs.deferred import DeferredInitError, deferred_init, is_deferred, materialize_module
@@ -119,9 +121,7 @@ def ranks(world: int) -> list[int]:
 
 def cases(world: int, layout: dict[str, int], *marks: Any) -> list[Any]:
     name = "-".join(f"{axis}{degree}" for axis, degree in layout.items()) or "fsdp"
-    return [
-        pytest.param(world, rank, layout, marks=marks, id=f"{name}-rank{rank}of{world}") for rank in ranks(world)
-    ]
+    return [pytest.param(world, rank, layout, marks=marks, id=f"{name}-rank{rank}of{world}") for rank in ranks(world)]
 
 
 @pytest.mark.parametrize(
@@ -145,7 +145,10 @@ def test_a_rank_of_parallelize_llama_holds_the_slices_of_torchtitans_eager_llama
 # recorded operation on a deferred model (1-D FSDP over 1024 ranks takes about a minute to shard this toy model).
 @pytest.mark.parametrize(
     ("world", "rank", "layout"),
-    [pytest.param(1024, rank, {"dp_replicate": 128}, id=f"dp_replicate128-rank{rank}of1024") for rank in (0, 517, 1023)],
+    [
+        pytest.param(1024, rank, {"dp_replicate": 128}, id=f"dp_replicate128-rank{rank}of1024")
+        for rank in (0, 517, 1023)
+    ],
 )
 def test_a_rank_of_1024_holds_its_slices_of_a_tiny_llama3(world: int, rank: int, layout: dict[str, int]) -> None:
     check(tiny_llama3, world, rank, layout)

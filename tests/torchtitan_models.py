@@ -29,8 +29,8 @@ from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import parallel_dims as parallel_dims_module
 from torchtitan.models import deepseek_v3, llama3
-from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
@@ -51,9 +51,7 @@ def llama3_config(
     config = llama3.Llama3Model.Config(
         dim=dim,
         vocab_size=vocab,
-        tok_embeddings=Embedding.Config(
-            num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT
-        ),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
         norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)),
         layers=llama3._build_llama3_layers(
@@ -113,14 +111,10 @@ def deepseek_v3_config(*, experts: int = 8, dim: int = 64, vocab: int = 2048, ep
             num_embeddings=vocab, embedding_dim=dim, param_init=deepseek_v3._EMBEDDING_INIT
         ),
         norm=RMSNorm.Config(normalized_shape=dim, param_init=deepseek_v3._NORM_INIT),
-        lm_head=Linear.Config(
-            in_features=dim, out_features=vocab, param_init=deepseek_v3._output_linear_init(dim)
-        ),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=deepseek_v3._output_linear_init(dim)),
         layers=layers,
     )
-    set_deepseek_v3_sharding_config(
-        config, enable_sp=ParallelismConfig().enable_sequence_parallel, enable_ep=ep
-    )
+    set_deepseek_v3_sharding_config(config, enable_sp=ParallelismConfig().enable_sequence_parallel, enable_ep=ep)
     return config
 
 
@@ -150,11 +144,7 @@ def parallel_dims(world: int, *, dp_replicate: int = 1, tp: int = 1, ep: int = 1
 
 def parallelize(model: nn.Module, dims: ParallelDims) -> nn.Module:
     """The model's own entry point (``parallelize_llama`` or ``parallelize_deepseekv3``) with default configs."""
-    entry = (
-        llama3.parallelize_llama
-        if isinstance(model, llama3.Llama3Model)
-        else deepseek_v3.parallelize_deepseekv3
-    )
+    entry = llama3.parallelize_llama if isinstance(model, llama3.Llama3Model) else deepseek_v3.parallelize_deepseekv3
     parallelized: nn.Module = entry(
         model,
         parallel_dims=dims,

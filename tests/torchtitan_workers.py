@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from modattrs.deferred import deferred_init, is_deferred, materialize_module  # noqa: E402
-from tests import torchtitan_models as titan  # noqa: E402
+from modattrs.deferred import deferred_init, is_deferred, materialize_module
+from tests import torchtitan_models as titan
 
 SEED, BATCH, LENGTH = 0, 2, 16
 
@@ -60,7 +60,12 @@ def run(layout: dict[str, int]) -> dict[str, Any]:
     titan.use_cpu_meshes()
     world = dist.get_world_size()
     # The same tokens on every rank of a tensor-parallel group, others per data-parallel rank, as a loader gives.
-    tokens = torch.randint(0, 2048, (BATCH, LENGTH + 1), generator=torch.Generator().manual_seed(1 + dist.get_rank() // layout.get("tp", 1)))
+    tokens = torch.randint(
+        0,
+        2048,
+        (BATCH, LENGTH + 1),
+        generator=torch.Generator().manual_seed(1 + dist.get_rank() // layout.get("tp", 1)),
+    )
 
     torch.manual_seed(SEED)
     eager = titan.built_and_initialized(config())
