@@ -31,7 +31,9 @@ from modattrs.deferred import DeferredInitError, deferred_init, is_deferred, mat
 try:
     from tests import torchtitan_models as titan
 except ImportError as error:  # torchtitan not installed, or its model code needs what this torch lacks
-    pytest.skip(f"torchtitan's model code does not import here: {error}", allow_module_level=True)
+    pytest.skip(
+        f"torchtitan's model code does not import on torch {torch.__version__}: {error}", allow_module_level=True
+    )
 
 # torchtitan distributes tensor- and expert-parallel weights with distribute_tensor's default src_data_rank=0 (a
 # scatter from rank 0; no setting of torchtitan's changes it), which materializing refuses today ("its values

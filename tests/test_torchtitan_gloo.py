@@ -22,7 +22,9 @@ from modattrs.deferred import DeferredInitError
 try:
     from tests import torchtitan_models  # noqa: F401  (the workers import it: skip where it cannot be)
 except ImportError as error:
-    pytest.skip(f"torchtitan's model code does not import here: {error}", allow_module_level=True)
+    pytest.skip(
+        f"torchtitan's model code does not import on torch {torch.__version__}: {error}", allow_module_level=True
+    )
 
 from tests.test_distributed import free_port
 
