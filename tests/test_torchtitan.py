@@ -26,7 +26,7 @@ from torch.distributed.tensor._utils import (
 )
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from modattrs.deferred import DeferredInitError, deferred_init, is_deferred, materialize_module
+from modattrs.deferred import deferred_init, is_deferred, materialize_module
 
 try:
     from tests import torchtitan_models as titan
@@ -34,16 +34,6 @@ except ImportError as error:  # torchtitan not installed, or its model code need
     pytest.skip(
         f"torchtitan's model code does not import on torch {torch.__version__}: {error}", allow_module_level=True
     )
-
-# torchtitan distributes tensor- and expert-parallel weights with distribute_tensor's default src_data_rank=0 (a
-# scatter from rank 0; no setting of torchtitan's changes it), which materializing refuses today ("its values
-# come from a collective"). Strict: these flip to failures, to be unmarked, when a deferred source's scatter is
-# replayed as the rank's own chunk.
-SCATTER_REFUSED = pytest.mark.xfail(
-    raises=DeferredInitError,
-    strict=True,
-    reason="distribute_tensor's scatter from src_data_rank=0 is refused: its values come from a collective",
-)
 
 
 @contextlib.contextmanager
@@ -84,7 +74,10 @@ def assert_eager_slices(model: nn.Module, reference: nn.Module, where: str) -> N
         assert local.dtype == expected_local.dtype, name
         assert torch.equal(local, expected_local), f"{name}: {where} differs from the eager slice"
     for name, buffer in model.named_buffers():
-        assert torch.equal(buffer, reference.get_buffer(name)), f"buffer {name}: {where} differs from eager"
+        full = reference.get_buffer(name)
+        if isinstance(buffer, DTensor):  # tensor parallelism distributes buffers too (replicated, for RoPE's)
+            buffer, full = buffer.to_local(), slice_of(full, buffer)
+        assert torch.equal(buffer, full), f"buffer {name}: {where} differs from eager"
 
 
 def slice_of(full: torch.Tensor, parameter: DTensor) -> torch.Tensor:
@@ -121,9 +114,9 @@ def ranks(world: int) -> list[int]:
     return [0, world // 2, world - 1]
 
 
-def cases(world: int, layout: dict[str, int], *marks: Any) -> list[Any]:
+def cases(world: int, layout: dict[str, int]) -> list[Any]:
     name = "-".join(f"{axis}{degree}" for axis, degree in layout.items()) or "fsdp"
-    return [pytest.param(world, rank, layout, marks=marks, id=f"{name}-rank{rank}of{world}") for rank in ranks(world)]
+    return [pytest.param(world, rank, layout, id=f"{name}-rank{rank}of{world}") for rank in ranks(world)]
 
 
 @pytest.mark.parametrize(
@@ -132,9 +125,9 @@ def cases(world: int, layout: dict[str, int], *marks: Any) -> list[Any]:
         *cases(8, {}),
         *cases(64, {}),
         *cases(8, {"dp_replicate": 2}),
-        *cases(8, {"tp": 8}, SCATTER_REFUSED),
-        *cases(8, {"tp": 2}, SCATTER_REFUSED),
-        *cases(8, {"dp_replicate": 2, "tp": 2}, SCATTER_REFUSED),
+        *cases(8, {"tp": 8}),
+        *cases(8, {"tp": 2}),
+        *cases(8, {"dp_replicate": 2, "tp": 2}),
     ],
 )
 def test_a_rank_of_parallelize_llama_holds_the_slices_of_torchtitans_eager_llama3(
@@ -161,8 +154,8 @@ def test_a_rank_of_1024_holds_its_slices_of_a_tiny_llama3(world: int, rank: int,
     [
         *cases(8, {}),
         *cases(64, {}),
-        *cases(8, {"ep": 4}, SCATTER_REFUSED),
-        *cases(64, {"dp_replicate": 2, "tp": 2, "ep": 8}, SCATTER_REFUSED),
+        *cases(8, {"ep": 4}),
+        *cases(64, {"dp_replicate": 2, "tp": 2, "ep": 8}),
     ],
 )
 def test_a_rank_of_parallelize_deepseekv3_holds_the_slices_of_torchtitans_eager_deepseek_v3(
