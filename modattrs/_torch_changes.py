@@ -68,7 +68,7 @@ _filters: list[Any] = []  # the entries added to warnings.filters
 
 
 def install() -> None:
-    """Make the base changes (1, 2, 3, 5, 9 to 12), once; every ``fake_mode`` entry and ``deferred_init`` call comes
+    """Make the base changes (1, 2, 3, 5, 9 to 13), once; every ``fake_mode`` entry and ``deferred_init`` call comes
     here."""
     global _base
     if _base:  # no lock once done
@@ -127,6 +127,15 @@ def install() -> None:
         #     (a fake tensor has no values): FakeTensor gets a __reduce_ex__ of its own, torch's, which first notes
         #     the tensor so that the refusal names it.
         _replace(FakeTensor, "__reduce_ex__", _reduce_noting_fakes)
+        # 13. An operation on a fake tensor outside its mode (a deferred model after deferred_init returned, which
+        #     fully_shard and parallelize_module cut) reaches FakeTensor.__torch_dispatch__, which enters the mode
+        #     and dispatches the operation again from the top: for a view, ten times what making it costs. A view,
+        #     detach, copy_, clone or new_zeros of a fake tensor of modattrs' modes that the mode makes itself
+        #     (ModattrsFakeTensorMode.takes_short_path) goes to the mode's handler at once, as an entered mode would
+        #     get it; every other operation, and every other fake tensor, goes to torch's method.
+        original = vars(FakeTensor)["__torch_dispatch__"]
+        FakeTensor.__torch_dispatch__ = _short_paths_outside_the_mode(original)  # type: ignore[method-assign,assignment]
+        _replaced.append(_Replaced(FakeTensor, "__torch_dispatch__", original, inherited=False))
         _base = True
 
 
@@ -330,6 +339,31 @@ def _reduce_noting_fakes(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(*args, **kwargs)
 
     return __reduce_ex__
+
+
+_DEVICE_OF = torch.ops.prim.device.default
+
+
+def _short_paths_outside_the_mode(original: classmethod[Any, Any, Any]) -> classmethod[Any, Any, Any]:
+    dispatch = original.__func__
+
+    @functools.wraps(dispatch)
+    def __torch_dispatch__(
+        cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:  # as torch calls it
+        if args and func is not _DEVICE_OF:  # a tensor's device: torch's method answers it first thing
+            first = args[0]
+            if type(first) is FakeTensor:
+                mode = first.fake_mode
+                if (
+                    isinstance(mode, ModattrsFakeTensorMode)
+                    and active_fake_mode() is None
+                    and mode.takes_short_path(func, args, kwargs)
+                ):
+                    return mode.__torch_dispatch__(func, types, args, kwargs)
+        return dispatch(cls, func, types, args) if kwargs is None else dispatch(cls, func, types, args, kwargs)
+
+    return classmethod(__torch_dispatch__)
 
 
 def _deepcopy_of_fakes(original: Callable[..., Any]) -> Callable[..., Any]:

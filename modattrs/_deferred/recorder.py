@@ -172,7 +172,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 raise _needs_values(callable_name(func))
             if isinstance(func, OpOverload) and func.is_view and args and isinstance(args[0], FakeTensor):
                 source = address_of(args[0])
-                for leaf in tree_flatten(result)[0]:
+                for leaf in _leaves(result):
                     if isinstance(leaf, FakeTensor):
                         self._view_sources[address_of(leaf)] = source
             self._finish(pending, result)
@@ -256,7 +256,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         *,
         random: bool,
     ) -> _Pending:
-        originals, spec = tree_flatten((tuple(args), dict(kwargs)))
+        plain = plain_call(args, kwargs)
+        originals, spec = _flattened(args, kwargs, plain)
         flat = list(originals)
         written = {id(t) for t in mutated}
         slots: list[Slot] = []
@@ -311,7 +312,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             func=func,
             flat=flat,
             spec=spec,
-            plain=plain_call(args, kwargs),
+            plain=plain,
             slots=tuple(slots),
             constant_slots=tuple(constant_slots),
             device_slots=tuple(device_slots),
@@ -490,7 +491,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         out_refs: list[int | None] = []
         writes = {slot.storage for slot in pending.slots if slot.written}
         device: torch.device | None = None
-        for leaf in tree_flatten(result)[0]:
+        for leaf in _leaves(result):
             if not isinstance(leaf, FakeTensor):
                 out_refs.append(None)
                 continue
@@ -815,6 +816,44 @@ def _overwritten(slots: Sequence[Slot], flat: Sequence[Any]) -> frozenset[int]:
         if covers and not others:
             whole.add(slot.storage)
     return frozenset(whole)
+
+
+def _flattened(args: Sequence[Any], kwargs: Mapping[str, Any], plain: Plain | None) -> tuple[list[Any], TreeSpec]:
+    """``tree_flatten((tuple(args), dict(kwargs)))``: for a plain call (``record.plain_call``), its leaves gathered
+    here and its spec, which the call's plain structure determines, made once per structure."""
+    if plain is None:
+        flat, spec = tree_flatten((tuple(args), dict(kwargs)))
+        return flat, spec
+    leaves: list[Any] = []
+    containers = plain[2]
+    if containers is None:
+        leaves.extend(args)
+        leaves.extend(kwargs.values())
+    else:
+        for value, container in zip((*args, *kwargs.values()), containers, strict=True):
+            if container is None:
+                leaves.append(value)
+            else:
+                leaves.extend(value)
+    known = _SPECS.get(plain)
+    if known is None:
+        known = _SPECS[plain] = tree_flatten((tuple(args), dict(kwargs)))[1]
+    return leaves, known
+
+
+#: The spec of each plain structure of arguments met (a handful: sizes lists of a few lengths, a few keywords).
+_SPECS: dict[Plain, TreeSpec] = {}
+
+
+def _leaves(result: Any) -> list[Any]:
+    """The leaves of an operation's result, as ``tree_flatten`` gives them: at once for a tensor and for a list of
+    them (a split's), the results of most operations."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if type(result) is list and all(isinstance(leaf, torch.Tensor) for leaf in result):
+        return result
+    leaves: list[Any] = tree_flatten(result)[0]
+    return leaves
 
 
 def _no_draw() -> None:
