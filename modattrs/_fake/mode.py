@@ -344,7 +344,7 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             lifted = _lift(self, args)
             if lifted is not None:
                 return lifted
-        elif route is None or route is _VALUE_ONLY or route is _TO_COPY:
+        elif route is None or route is _VALUE_ONLY or route is _TO_COPY or route is _VIEW or route is _COPY:
             constants, unknown = _scan(self, args, kwargs)
             if constants:  # off the hot path: most operations meet no constant
                 kwargs = kwargs or {}
