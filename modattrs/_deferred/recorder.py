@@ -139,7 +139,9 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             return super().__torch_dispatch__(func, types, args, kwargs)
         kwargs = kwargs or {}
         with generator.lock:
-            random = torch.Tag.nondeterministic_seeded in func.tags
+            random = _RANDOM.get(func)
+            if random is None:
+                random = _RANDOM[func] = torch.Tag.nondeterministic_seeded in func.tags
             pending = self._begin(func, args, kwargs, _mutated_arguments(func, args, kwargs), random=random)
             self._depth.n = 1
             needs_values = False
@@ -279,7 +281,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 ref, key = self._ref_of(value, func)
                 storage = key[0]
                 keys.append(key)
-                size, stride, dtype = tuple(value.shape), tuple(value.stride()), value.dtype
+                size, stride, dtype = key[2], key[3], key[4]  # the key holds them
                 layout = self.record.layouts.get(ref)  # a ref's layout is noted once, when it is made
                 geometry = (storage, size, stride, dtype)
                 laid = layout is not None and (layout.storage, layout.size, layout.stride, layout.dtype) == geometry
@@ -878,6 +880,7 @@ def _reads_values(pending: _Pending) -> bool:
 
 
 _MUTATED: dict[Any, tuple[tuple[int, str], ...]] = {}
+_RANDOM: dict[Any, bool] = {}  # whether an operator draws, by operator: its tags are a list built at each ask
 
 
 def _mutated_arguments(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
