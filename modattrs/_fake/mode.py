@@ -69,6 +69,7 @@ from modattrs._torch_private import (
     fake_tensor_attributes,
     forget_constant_aliases,
     has_constant_aliases,
+    in_kernel,
     normalize_fake_device,
     note_constant_alias,
     operator_arguments,
@@ -452,7 +453,7 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         operation enters its mode and dispatches again (``FakeTensor.__torch_dispatch__``), which cost FSDP2's
         cutting of a deferred parameter more than the cut (see ``_torch_changes``, change 13)."""
         first = args[0]
-        if first.constant is not None or self.in_kernel_invocation or self._attributes(first.device) is None:
+        if first.constant is not None or in_kernel(self) or self._attributes(first.device) is None:
             return False
         route = _ROUTE.get(id(func))
         if route is _VIEW or route is _DETACH:
