@@ -70,14 +70,14 @@ class _Replaced:
 _lock = threading.RLock()
 _base = False  # install() done
 _deferred_installed = False  # install_deferred() done
-_dtensor_installed = False  # change 13 made
+_dtensor_installed = False  # change 14 made
 _fake_cuda_installed = False
 _replaced: list[_Replaced] = []  # in the order made
 _filters: list[Any] = []  # the entries added to warnings.filters
 
 
 def install() -> None:
-    """Make the base changes (1, 2, 3, 5, 9 to 12), once; every ``fake_mode`` entry and ``deferred_init`` call comes
+    """Make the base changes (1, 2, 3, 5, 9 to 13), once; every ``fake_mode`` entry and ``deferred_init`` call comes
     here."""
     global _base
     if _base:  # no lock once done
@@ -138,6 +138,15 @@ def install() -> None:
         #     (a fake tensor has no values): FakeTensor gets a __reduce_ex__ of its own, torch's, which first notes
         #     the tensor so that the refusal names it.
         _replace(FakeTensor, "__reduce_ex__", _reduce_noting_fakes)
+        # 13. An operation on a fake tensor outside its mode (a deferred model after deferred_init returned, which
+        #     fully_shard and parallelize_module cut) reaches FakeTensor.__torch_dispatch__, which enters the mode
+        #     and dispatches the operation again from the top: for a view, ten times what making it costs. A view,
+        #     detach, copy_, clone or new_zeros of a fake tensor of modattrs' modes that the mode makes itself
+        #     (ModattrsFakeTensorMode.takes_short_path) goes to the mode's handler at once, as an entered mode would
+        #     get it; every other operation, and every other fake tensor, goes to torch's method.
+        original = vars(FakeTensor)["__torch_dispatch__"]
+        FakeTensor.__torch_dispatch__ = _short_paths_outside_the_mode(original)  # type: ignore[method-assign,assignment]
+        _replaced.append(_Replaced(FakeTensor, "__torch_dispatch__", original, inherited=False))
         _base = True
 
 
@@ -165,12 +174,12 @@ def install_deferred() -> None:
 
 
 def _install_dtensor_sources() -> None:
-    """Change 13, once torch.distributed.tensor is imported (importing it takes seconds: modattrs never does)."""
+    """Change 14, once torch.distributed.tensor is imported (importing it takes seconds: modattrs never does)."""
     global _dtensor_installed
     with _lock:
         if _dtensor_installed:
             return
-        # 13. distribute_tensor and parallelize_module send rank 0's data to the other ranks unless given
+        # 14. distribute_tensor and parallelize_module send rank 0's data to the other ranks unless given
         #     src_data_rank=None, with DTensor's scatter (Shard) and broadcast (Replicate) helpers, which a replay
         #     cannot run; on the ranks that do not send, the scatter names no source. Where every tensor handed to
         #     them is a deferred value of one record, the helpers that DTensor's placements call record what they
@@ -365,6 +374,31 @@ def _reduce_noting_fakes(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(*args, **kwargs)
 
     return __reduce_ex__
+
+
+_DEVICE_OF = torch.ops.prim.device.default
+
+
+def _short_paths_outside_the_mode(original: classmethod[Any, Any, Any]) -> classmethod[Any, Any, Any]:
+    dispatch = original.__func__
+
+    @functools.wraps(dispatch)
+    def __torch_dispatch__(
+        cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:  # as torch calls it
+        if args and func is not _DEVICE_OF:  # a tensor's device: torch's method answers it first thing
+            first = args[0]
+            if type(first) is FakeTensor:
+                mode = first.fake_mode
+                if (
+                    isinstance(mode, ModattrsFakeTensorMode)
+                    and active_fake_mode() is None
+                    and mode.takes_short_path(func, args, kwargs)
+                ):
+                    return mode.__torch_dispatch__(func, types, args, kwargs)
+        return dispatch(cls, func, types, args) if kwargs is None else dispatch(cls, func, types, args, kwargs)
+
+    return classmethod(__torch_dispatch__)
 
 
 def _deepcopy_of_fakes(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -102,6 +102,12 @@ def call_as_meta(mode: FakeTensorMode, func: Callable[..., torch.Tensor], *args:
             mode.in_kernel_invocation = was_in_kernel
 
 
+def in_kernel(mode: FakeTensorMode) -> bool:
+    """Whether ``mode`` is running a kernel, its fake tensors seen as meta tensors (:func:`call_as_meta`). No public
+    API; checked on 2.8 to 2.15."""
+    return bool(mode.in_kernel_invocation)
+
+
 #: Whether FakeTensor normalizes devices in a function of its own (2.13, 2.15); torch 2.8 does it inline in the
 #: constructor, and :func:`normalize_fake_device` takes its steps there.
 NORMALIZES_FAKE_DEVICE_APART: bool = hasattr(FakeTensor, "_normalize_fake_device")

@@ -864,3 +864,81 @@ def test_an_out_tensor_that_an_operation_resizes_gets_the_strides_eager_code_giv
     with fake_mode():
         fake = _strides(operation())
     assert fake == eager
+
+
+# --- operations on fake tensors outside their mode ------------------------------------------------------------------
+
+# What FSDP2 and DTensor do to a parameter they cut, and other views and fresh tensors: each taken, inside the mode
+# and out of it, from a (6, 4) parameter and a (6, 4) tensor of other values to copy.
+CUTS: dict[str, Callable[[Tensor, Tensor], Tensor | tuple[Tensor, ...]]] = {
+    "chunk": lambda t, _: torch.chunk(t, 4),
+    "split sizes": lambda t, _: t.split([1, 5], dim=0),
+    "unbind": lambda t, _: t.unbind(1),
+    "narrow": lambda t, _: t.narrow(0, 2, 3),
+    "view": lambda t, _: t.view(2, 12),
+    "view as dtype": lambda t, _: t.view(torch.int32),
+    "transposed": lambda t, _: t.t(),
+    "expanded": lambda t, _: t[:1].expand(3, 4),
+    "as_strided": lambda t, _: t.as_strided((2, 2), (1, 4), 3),
+    "detached": lambda t, _: t.detach(),
+    "clone of a transpose": lambda t, _: t.t().clone(),
+    "new_zeros": lambda t, _: t.new_zeros((8, 4)),
+    "new_full of another dtype": lambda t, _: t.new_full((2,), 3.5, dtype=torch.float64),
+    "new_empty": lambda t, _: t.new_empty((3, 3)),
+    "padded copy": lambda t, other: t.new_zeros((8, 4)).narrow(0, 0, 6).copy_(other),
+    "broadcast copy": lambda t, other: t.new_zeros((2, 6, 4)).copy_(other),
+}
+
+
+def described(result: Tensor | tuple[Tensor, ...]) -> list[tuple[object, ...]]:
+    tensors = result if isinstance(result, tuple | list) else (result,)
+    return [
+        (type(t).__name__ == "FakeTensor", t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad)
+        for t in tensors
+    ]
+
+
+@pytest.mark.parametrize("cut", CUTS)
+def test_a_fake_tensor_cut_outside_its_mode_is_laid_out_as_inside_it_and_as_a_real_one(cut: str) -> None:
+    with fake_mode():
+        parameter, other = nn.Parameter(torch.empty(6, 4)), torch.empty(6, 4)
+        with torch.no_grad():
+            inside = described(CUTS[cut](parameter, other))
+    with torch.no_grad():
+        outside = described(CUTS[cut](parameter, other))
+        real = described(CUTS[cut](nn.Parameter(torch.randn(6, 4)), torch.randn(6, 4)))
+    assert outside == inside
+    assert [entry[1:] for entry in outside] == [entry[1:] for entry in real]
+    assert all(entry[0] for entry in outside)
+
+
+def test_a_view_of_a_fake_parameter_outside_its_mode_is_a_view_autograd_knows() -> None:
+    with fake_mode():
+        parameter = nn.Parameter(torch.empty(6, 4))
+    chunk = torch.chunk(parameter, 3)[1]
+    assert chunk._base is parameter
+    assert chunk.requires_grad
+    assert chunk.untyped_storage().nbytes() == parameter.untyped_storage().nbytes()
+
+
+def test_a_view_of_a_constant_holds_its_values_inside_the_mode_and_out_of_it() -> None:
+    with fake_mode():
+        weight = torch.empty(6, 4)
+        zeros, counted = weight.new_zeros((2, 3)), torch.arange(6.0)
+        rows_inside = counted.view(2, 3).unbind(0)
+        assert zeros.tolist() == [[0.0] * 3] * 2
+    rows_outside = torch.chunk(counted, 2)
+    with fake_mode():
+        assert [row.tolist() for row in rows_inside] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+        assert [row.tolist() for row in rows_outside] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+        assert weight.new_zeros((2,)).tolist() == [0.0, 0.0]
+
+
+def test_a_copy_between_constants_writes_their_values_inside_the_mode_and_out_of_it() -> None:
+    with fake_mode():
+        inside = torch.zeros(3).copy_(torch.arange(3.0))
+        target, source = torch.zeros(3), torch.arange(3.0)
+    target.copy_(source)
+    with fake_mode():
+        assert inside.tolist() == [0.0, 1.0, 2.0]
+        assert target.tolist() == [0.0, 1.0, 2.0]

@@ -45,19 +45,20 @@ class Layout:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
-    span: range = field(init=False, compare=False)  # the elements of the storage it spans; empty without elements
 
-    def __post_init__(self) -> None:
-        span = range(self.offset, self.offset)
-        if all(self.size):
-            low = high = self.offset
-            for size, stride in zip(self.size, self.stride, strict=True):
-                if stride < 0:
-                    low += (size - 1) * stride
-                else:
-                    high += (size - 1) * stride
-            span = range(low, high + 1)
-        object.__setattr__(self, "span", span)  # frozen: set once, here
+    @property
+    def span(self) -> range:
+        """The elements of the storage it spans; empty without elements. Worked out when asked: most refs are never
+        asked (a split into as many chunks as ranks makes a ref of every chunk, and a rank keeps one)."""
+        if not all(self.size):
+            return range(self.offset, self.offset)
+        low = high = self.offset
+        for size, stride in zip(self.size, self.stride, strict=True):
+            if stride < 0:
+                low += (size - 1) * stride
+            else:
+                high += (size - 1) * stride
+        return range(low, high + 1)
 
 
 class Draws(enum.Enum):

@@ -139,7 +139,9 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             return super().__torch_dispatch__(func, types, args, kwargs)
         kwargs = kwargs or {}
         with generator.lock:
-            random = torch.Tag.nondeterministic_seeded in func.tags
+            random = _RANDOM.get(func)
+            if random is None:
+                random = _RANDOM[func] = torch.Tag.nondeterministic_seeded in func.tags
             pending = self._begin(func, args, kwargs, _mutated_arguments(func, args, kwargs), random=random)
             self._depth.n = 1
             needs_values = False
@@ -172,7 +174,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 raise _needs_values(callable_name(func))
             if isinstance(func, OpOverload) and func.is_view and args and isinstance(args[0], FakeTensor):
                 source = address_of(args[0])
-                for leaf in tree_flatten(result)[0]:
+                for leaf in _leaves(result):
                     if isinstance(leaf, FakeTensor):
                         self._view_sources[address_of(leaf)] = source
             self._finish(pending, result)
@@ -256,7 +258,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         *,
         random: bool,
     ) -> _Pending:
-        originals, spec = tree_flatten((tuple(args), dict(kwargs)))
+        plain = plain_call(args, kwargs)
+        originals, spec = _flattened(args, kwargs, plain)
         flat = list(originals)
         written = {id(t) for t in mutated}
         slots: list[Slot] = []
@@ -278,7 +281,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 ref, key = self._ref_of(value, func)
                 storage = key[0]
                 keys.append(key)
-                size, stride, dtype = tuple(value.shape), tuple(value.stride()), value.dtype
+                size, stride, dtype = key[2], key[3], key[4]  # the key holds them
                 layout = self.record.layouts.get(ref)  # a ref's layout is noted once, when it is made
                 geometry = (storage, size, stride, dtype)
                 laid = layout is not None and (layout.storage, layout.size, layout.stride, layout.dtype) == geometry
@@ -311,7 +314,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             func=func,
             flat=flat,
             spec=spec,
-            plain=plain_call(args, kwargs),
+            plain=plain,
             slots=tuple(slots),
             constant_slots=tuple(constant_slots),
             device_slots=tuple(device_slots),
@@ -494,7 +497,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         out_refs: list[int | None] = []
         writes = {slot.storage for slot in pending.slots if slot.written}
         device: torch.device | None = None
-        for leaf in tree_flatten(result)[0]:
+        for leaf in _leaves(result):
             if not isinstance(leaf, FakeTensor):
                 out_refs.append(None)
                 continue
@@ -834,6 +837,44 @@ def _dense_in_some_order(size: tuple[int, ...], stride: tuple[int, ...]) -> bool
     return True
 
 
+def _flattened(args: Sequence[Any], kwargs: Mapping[str, Any], plain: Plain | None) -> tuple[list[Any], TreeSpec]:
+    """``tree_flatten((tuple(args), dict(kwargs)))``: for a plain call (``record.plain_call``), its leaves gathered
+    here and its spec, which the call's plain structure determines, made once per structure."""
+    if plain is None:
+        flat, spec = tree_flatten((tuple(args), dict(kwargs)))
+        return flat, spec
+    leaves: list[Any] = []
+    containers = plain[2]
+    if containers is None:
+        leaves.extend(args)
+        leaves.extend(kwargs.values())
+    else:
+        for value, container in zip((*args, *kwargs.values()), containers, strict=True):
+            if container is None:
+                leaves.append(value)
+            else:
+                leaves.extend(value)
+    known = _SPECS.get(plain)
+    if known is None:
+        known = _SPECS[plain] = tree_flatten((tuple(args), dict(kwargs)))[1]
+    return leaves, known
+
+
+#: The spec of each plain structure of arguments met (a handful: sizes lists of a few lengths, a few keywords).
+_SPECS: dict[Plain, TreeSpec] = {}
+
+
+def _leaves(result: Any) -> list[Any]:
+    """The leaves of an operation's result, as ``tree_flatten`` gives them: at once for a tensor and for a list of
+    them (a split's), the results of most operations."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if type(result) is list and all(isinstance(leaf, torch.Tensor) for leaf in result):
+        return result
+    leaves: list[Any] = tree_flatten(result)[0]
+    return leaves
+
+
 def _no_draw() -> None:
     """Stands for a reset of the default CPU generator that no draw followed."""
 
@@ -856,6 +897,7 @@ def _reads_values(pending: _Pending) -> bool:
 
 
 _MUTATED: dict[Any, tuple[tuple[int, str], ...]] = {}
+_RANDOM: dict[Any, bool] = {}  # whether an operator draws, by operator: its tags are a list built at each ask
 
 
 def _mutated_arguments(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:

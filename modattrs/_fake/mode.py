@@ -69,6 +69,7 @@ from modattrs._torch_private import (
     fake_tensor_attributes,
     forget_constant_aliases,
     has_constant_aliases,
+    in_kernel,
     normalize_fake_device,
     note_constant_alias,
     operator_arguments,
@@ -164,7 +165,32 @@ _UNINITIALIZED = overloads_of(
     aten.resize_, aten.resize_as_, aten.set_,
 )  # fmt: skip
 
-_VALUE_ONLY, _DETACH, _META_FACTORY, _VALUED_FACTORY, _CONSTANT_FACTORY, _LIFT, _DEVICE, _TO_COPY = range(1, 9)
+_VALUE_ONLY, _DETACH, _META_FACTORY, _VALUED_FACTORY, _CONSTANT_FACTORY, _LIFT, _DEVICE, _TO_COPY, _VIEW, _COPY = range(
+    1, 11
+)
+#: View operations whose results, on the meta device, are all that torch's fake kernel makes of them: new geometry
+#: on the argument's storage, same device. FSDP2 and DTensor cut every parameter with them (a split into as many
+#: chunks as ranks, two per parameter), and torch's path (a cache look-up, then a tensor made and moved onto the
+#: argument's storage) cost a fake model's fully_shard 20 times the meta model's.
+_VIEWS = frozenset(
+    op
+    for op in overloads_of(
+        aten.view, aten.as_strided, aten.slice, aten.narrow, aten.split, aten.split_with_sizes, aten.unbind,
+        aten.t, aten.transpose, aten.permute, aten.expand, aten.unsqueeze, aten.squeeze, aten.select, aten.alias,
+        aten.unflatten, aten.diagonal, aten.unfold,
+    )
+    if op.is_view
+)  # fmt: skip
+#: Operations that make a fresh tensor on the device of their first argument from its metadata and their sizes
+#: (``new_zeros``, FSDP2's padded shard; ``clone``, DTensor's local chunk), run on the meta tensor it is and wrapped:
+#: what torch's fake kernels make of them, without the cache look-up. Constants are given after, as before.
+_LIKE_FIRST = frozenset(
+    id(op)
+    for op in overloads_of(
+        aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty, aten.new_empty_strided, aten.clone
+    )
+    if not written_arguments(op)
+)  # fmt: skip
 #: The arguments of ``_to_copy`` that its short path takes (all but ``pin_memory=True`` and other layouts).
 _TO_COPY_ARGUMENTS = frozenset({"dtype", "layout", "device", "pin_memory", "non_blocking", "memory_format"})
 _META = torch.device("meta")
@@ -179,6 +205,8 @@ _ROUTES: dict[Any, int] = {
     torch.ops.prim.device.default: _DEVICE,
     aten.lift_fresh.default: _LIFT,
     aten.lift_fresh_copy.default: _LIFT,
+    **dict.fromkeys(_VIEWS, _VIEW),
+    aten.copy_.default: _COPY,
 }
 #: The same by the operator's id, found with one look-up per operation: an OpOverload hashes in Python, three times
 #: dearer. The operators are kept alive by ``_ROUTES``, so no other object has their ids.
@@ -271,6 +299,14 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
                         if first.constant is not None:
                             _forget_constant(self, first)
                         return alias_fake(self, first, device, attributes)
+        elif route is _VIEW and args:
+            first = args[0]
+            if type(first) is FakeTensor and first.fake_mode is self and first.constant is None:
+                viewed = self._view(func, first, args, kwargs)
+                if viewed is not None:
+                    return viewed
+        elif route is _COPY and self._plain_copy(args, kwargs):
+            return args[0]  # values only: the target's metadata stays, as copy_ leaves it
         elif (route is _META_FACTORY or route is _VALUED_FACTORY) and kwargs:
             asked = kwargs.get("device")
             if type(asked) is torch.device and kwargs.get("layout") in (None, torch.strided):
@@ -309,7 +345,7 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             lifted = _lift(self, args)
             if lifted is not None:
                 return lifted
-        elif route is None or route is _VALUE_ONLY or route is _TO_COPY:
+        elif route is None or route is _VALUE_ONLY or route is _TO_COPY or route is _VIEW or route is _COPY:
             constants, unknown = _scan(self, args, kwargs)
             if constants:  # off the hot path: most operations meet no constant
                 kwargs = kwargs or {}
@@ -327,6 +363,10 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             return first
         kwargs = kwargs or {}
         check_device(kwargs.get("device"))
+        if id(func) in _LIKE_FIRST and self._like_first(first, args, kwargs):
+            assert isinstance(first, FakeTensor)
+            made = {name: value for name, value in kwargs.items() if name != "device"}  # its own: meta below
+            return self._wrap(call_as_meta(self, func, *args, **made), first.device)
         if route is _DETACH and type(first) is FakeTensor and first.fake_mode is self:
             if first.constant is not None:
                 _forget_constant(self, first)
@@ -406,6 +446,66 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
                         torch.ops.aten.as_strided_.default, types, (out, out.shape, stride, out.storage_offset()), {}
                     )
         return result
+
+    def takes_short_path(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> bool:
+        """Whether ``func`` on these arguments, whose first is a fake tensor of this mode, is a view or a detach that
+        this mode makes without torch's fake kernels, and without the mode entered: from the outside, a fake tensor's
+        operation enters its mode and dispatches again (``FakeTensor.__torch_dispatch__``), which cost FSDP2's
+        cutting of a deferred parameter more than the cut (see ``_torch_changes``, change 13)."""
+        first = args[0]
+        if first.constant is not None or in_kernel(self) or self._attributes(first.device) is None:
+            return False
+        route = _ROUTE.get(id(func))
+        if route is _VIEW or route is _DETACH:
+            return not _other_tensors(args, kwargs)
+        if route is _COPY:
+            return self._plain_copy(args, kwargs)
+        return id(func) in _LIKE_FIRST and self._like_first(first, args, kwargs or {})
+
+    def _plain_copy(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> bool:
+        """Whether ``copy_(*args, **kwargs)`` writes values only, and would succeed in eager code: between fakes of
+        this mode without constants, of one shape, dtype and device, into a contiguous target (no element written
+        twice, which eager code refuses)."""
+        if len(args) != 2 or (kwargs and set(kwargs) - {"non_blocking"}):
+            return False
+        target, source = args
+        return (
+            _plain_fake(target, self)
+            and _plain_fake(source, self)
+            and target.shape == source.shape
+            and target.dtype == source.dtype
+            and target.device == source.device
+            and target.is_contiguous()
+        )
+
+    def _like_first(self, first: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+        """Whether a ``_LIKE_FIRST`` operation makes a strided tensor on the device of ``first``, a fake of this mode,
+        from metadata and numbers alone."""
+        if type(first) is not FakeTensor or first.fake_mode is not self or _other_tensors(args, kwargs):
+            return False
+        device = kwargs.get("device")
+        return (
+            kwargs.get("layout") in (None, torch.strided)
+            and not kwargs.get("pin_memory")
+            and (device is None or (type(device) is torch.device and device == first.device))
+        )
+
+    def _view(
+        self, func: Any, first: FakeTensor, args: Sequence[Any], kwargs: Mapping[str, Any] | None
+    ) -> FakeTensor | list[FakeTensor] | None:
+        """A view operation (``_VIEWS``) of ``first``, a fake of this mode without a constant, given no other tensor:
+        run on the meta tensor that ``first`` is below the mode, each result wrapped. None where torch's path is
+        needed: another tensor among the arguments, or no attributes to copy yet (see :meth:`_attributes`)."""
+        if _other_tensors(args, kwargs):
+            return None
+        device = first.device
+        attributes = self._attributes(device)
+        if attributes is None:
+            return None
+        result: Any = call_as_meta(self, func, *args, **(kwargs or {}))  # a split's is a list
+        if type(result) is list or type(result) is tuple:
+            return [wrap_meta(self, meta, device, attributes) for meta in result]
+        return wrap_meta(self, result, device, attributes)
 
     def _factory_fake(self, func: Any, route: int, args: Sequence[Any], kwargs: Mapping[str, Any]) -> FakeTensor:
         """A tensor factory (``_FACTORIES``) of strided tensors, made on the meta device and wrapped; ones, zeros and
@@ -575,6 +675,13 @@ def _forget_constant(mode: FakeTensorMode, tensor: FakeTensor) -> None:
     if has_constant_aliases(mode):
         forget_constant_aliases(mode, tensor)
     tensor.constant = None
+
+
+def _other_tensors(args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> bool:
+    """Whether a tensor is among the arguments but the first (view operations take sizes and numbers)."""
+    return any(isinstance(value, torch.Tensor) for value in args[1:]) or bool(
+        kwargs and any(isinstance(value, torch.Tensor) for value in kwargs.values())
+    )
 
 
 def _plain_fake(tensor: object, mode: FakeTensorMode) -> bool:
