@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +112,7 @@ class Role:
     OUTSIDE = "outside"  # a partial elementwise write outside the window: not run
     READ = "read"
     HOST = "host"  # the factory of the storage the window is drawn into: gives it
+    CLONE = "clone"  # the copy that made the storage whole, contiguous, from a view of another: copies the window
     COPIED = "copied"  # the copy of the window into its host: not run
 
 
@@ -148,6 +149,10 @@ class Window:
     make: Callable[[], torch.Tensor] | None = None  # its creator, run on the window's size: see memory
     empty: torch.Tensor | None = None  # its stand_in
     host: Host | None = None  # the storage it is drawn into, if any
+    # The parts of the window a random fill of all of it draws (Note [A window drawn as runs]): sorted, disjoint,
+    # within start:stop, holding every element anything kept reads; the rest of the window is never read.
+    segments: tuple[range, ...] = ()
+    source: Layout | None = None  # for a window made by a CLONE: the part of the view copied that lands in it
 
     def memory(self) -> torch.Tensor:
         """The window's memory, made now if it is not yet: its part of its host, or else its creator's result. The
@@ -222,14 +227,20 @@ def plan(
         if layout is None or layout.storage != storage:
             whole.add(storage)
         else:
-            spans.setdefault(storage, []).append(layout.span)
-    windows: dict[int, Window] = {}
-    for storage, indices in touching.items():
+            spans.setdefault(storage, []).extend(_runs(layout))
+    found: dict[int, Window] = {}
+    copied: dict[int, Layout] = {}  # a CLONE's index -> the part of its source it copies into its window
+    # Last touched first: a storage copied from another (a CLONE) is planned before the storage it copies from,
+    # whose window then holds only the part copied.
+    for storage in reversed(touching):
         if storage in whole:
             continue
-        window = _window(record, storage, indices, spans.get(storage, []), pattern_of)
+        window = _window(record, storage, touching[storage], spans.get(storage, []), pattern_of, copied)
         if window is not None:
-            windows[storage] = window
+            found[storage] = window
+            if window.source is not None:
+                copied[touching[storage][0]] = window.source
+    windows = {storage: found[storage] for storage in touching if storage in found}
     for storage, window in windows.items():
         if storage not in spans:
             window.host = _host(record, window, touching, windows)
@@ -295,12 +306,16 @@ def _window(
     indices: list[int],
     target_spans: list[range],
     pattern_of: Callable[[int], draws.Pattern | None],
+    copied: Mapping[int, Layout],
 ) -> Window | None:
     ops, layouts = record.ops, record.layouts
     whole = _created(ops[indices[0]], storage, layouts)
+    cloned = None
+    if whole is None:
+        whole, cloned = _cloned(ops[indices[0]], storage, layouts) or (None, None)
     if whole is None or _covered(target_spans, math.prod(whole.size)):
         return None  # not made whole by a factory, or all of it is a target's (FSDP2's padded shard)
-    roles = {indices[0]: Role.CREATE}
+    roles = {indices[0]: Role.CREATE if cloned is None else Role.CLONE}
     spans = list(target_spans)
     partial: dict[int, range] = {}
     patterns: dict[int, draws.Pattern] = {}
@@ -326,7 +341,9 @@ def _window(
                 return None  # makes a tensor on this storage without being a view
             else:
                 roles[index] = Role.READ
-                spans.extend(layouts[slot.ref].span for slot in on)
+                part = copied.get(index)  # a CLONE into a window copies only this part
+                for slot in on:
+                    spans.extend(_runs(layouts[slot.ref] if part is None else part))
             continue
         if len(written) != 1 or len(op.slots) != 1 or op.constant_slots or op.writes != {storage}:
             return None  # writes from another tensor, or through several arguments
@@ -342,9 +359,26 @@ def _window(
                 partial[index] = layout.span
         else:
             return None
-    if _covered(spans, math.prod(whole.size)):
+    segments = _merged(spans, _gap_drawn(whole.dtype))
+    if len(segments) == 1 and _covered(segments, math.prod(whole.size)):
         return None  # all of it is needed: made whole, as eager code makes it
-    start, stop = _hull(spans) or (0, 0)
+    start, stop = _hull(segments) or (0, 0)
+    source = None
+    if cloned is not None:  # whole rows of the copy: the part of its source they come from is a narrowed view
+        row = math.prod(whole.size[1:])
+        if not whole.size or row == 0:
+            return None
+        start, stop = start - start % row, -(-stop // row) * row
+        if _covered([range(start, stop)], math.prod(whole.size)) or cloned.size != whole.size:
+            return None
+        segments = (range(start, stop),)
+        source = Layout(
+            cloned.storage,
+            cloned.offset + start // row * cloned.stride[0],
+            ((stop - start) // row, *cloned.size[1:]),
+            cloned.stride,
+            cloned.dtype,
+        )
     for index, span in partial.items():
         if span.start >= start and span.stop <= stop:
             continue
@@ -352,16 +386,64 @@ def _window(
             roles[index] = Role.OUTSIDE
             continue
         return None  # straddles the window's edge
-    return Window(storage, whole.dtype, start, stop, roles, indices[-1], patterns=patterns)
+    if any(pattern.kind == draws.PAIRS for pattern in patterns.values()):
+        segments = (range(start, stop),)  # the scalar path's cached normal: drawn from the window's start
+    return Window(
+        storage, whole.dtype, start, stop, roles, indices[-1], patterns=patterns, segments=segments, source=source
+    )
 
 
-def _covered(spans: list[range], elements: int) -> bool:
+def _gap_drawn(dtype: torch.dtype) -> int:
+    """The longest gap, in elements, between two parts of a window that a random fill draws through rather than
+    jumps (Note [A window drawn as runs]): what a jump costs, in outputs (``draws.JUMP_COST``), over the outputs an
+    element takes (two for float64, one for narrower floats; fills that take more per element draw through a little
+    more than they could jump)."""
+    return draws.JUMP_COST // (2 if dtype == torch.float64 else 1)
+
+
+def _merged(runs: list[range], gap: int) -> tuple[range, ...]:
+    """The non-empty ``runs`` sorted, those that overlap or lie at most ``gap`` elements apart joined."""
+    joined: list[range] = []
+    for run in sorted((run for run in runs if run), key=lambda run: run.start):
+        if joined and run.start - joined[-1].stop <= gap:
+            if run.stop > joined[-1].stop:
+                joined[-1] = range(joined[-1].start, run.stop)
+        else:
+            joined.append(run)
+    return tuple(joined)
+
+
+_MOST_RUNS = 1 << 16  # a layout of more runs than this (after joining) is taken as its span: drawn through
+
+
+def _runs(layout: Layout) -> list[range]:
+    """The elements of its storage ``layout`` reads, as runs of adjacent elements, those at most ``_gap_drawn``
+    apart joined (so, for most layouts, one run: its span)."""
+    span = layout.span
+    if not span or any(stride < 0 for stride in layout.stride):
+        return [span] if span else []
+    gap = _gap_drawn(layout.dtype)
+    dims = sorted(((stride, size) for size, stride in zip(layout.size, layout.stride, strict=True) if size > 1))
+    runs = [range(0, 1)]  # relative to the layout's offset, from the innermost dimension out
+    for stride, size in dims:
+        if len(runs) == 1 and stride - runs[0].stop <= gap:  # its copies touch or draw through: one run
+            runs = [range(0, (size - 1) * stride + runs[0].stop)]
+            continue
+        if len(runs) * size > _MOST_RUNS:
+            return [span]
+        runs = list(
+            _merged([range(run.start + i * stride, run.stop + i * stride) for i in range(size) for run in runs], gap)
+        )
+    return [range(span.start + run.start, span.start + run.stop) for run in runs]
+
+
+def _covered(spans: Sequence[range], elements: int) -> bool:
     """Whether the hull of ``spans`` covers elements ``0:elements`` (a window of it would be all of it)."""
     start, stop = _hull(spans) or (0, 0)
     return start <= 0 and stop >= elements
 
 
-def _hull(spans: list[range]) -> tuple[int, int] | None:
+def _hull(spans: Sequence[range]) -> tuple[int, int] | None:
     """The first and last element + 1 of the non-empty ``spans`` (which lie within their storage), if any."""
     hull = None
     for span in spans:
@@ -386,6 +468,25 @@ def _created(op: Op, storage: int, layouts: Mapping[int, Layout]) -> Layout | No
     return layout
 
 
+def _cloned(op: Op, storage: int, layouts: Mapping[int, Layout]) -> tuple[Layout, Layout] | None:
+    """The layout of the whole storage and of the view ``op`` copied into it if ``op`` is a ``clone`` that made ``storage`` whole, contiguous from its
+    start, of another storage's elements in the same dtype and sizes (``distribute_tensor``'s local shard, which
+    FSDP2 then cuts): a window of it is a copy of a narrowed view of that one."""
+    if op.func is not aten.clone.default or len(op.slots) != 1 or op.constant_slots or len(op.out_refs) != 1:
+        return None
+    (source,) = op.slots
+    ref = op.out_refs[0]
+    made = layouts.get(ref) if ref is not None else None
+    read = layouts.get(source.ref)
+    if made is None or read is None or made.storage != storage or read.storage == storage or not source.laid:
+        return None
+    if made.offset != 0 or not _contiguous(made) or made.size != read.size or made.dtype != read.dtype:
+        return None
+    if op.device is None or op.device.type != "cpu" or source.written or op.writes:
+        return None
+    return made, read
+
+
 def _laid_out(slot: Slot, dtype: torch.dtype) -> bool:
     """Whether a tensor given to an operation sits where its ref's layout says (``Slot.laid``), in ``dtype``."""
     return slot.laid and slot.dtype == dtype
@@ -408,6 +509,24 @@ def _in_place_pointwise(func: OpOverload) -> bool:
 
 
 # --- running ---------------------------------------------------------------------------------------------------------
+
+
+def _draw_segments(
+    window: Window, pattern: draws.Pattern, state: torch.Tensor, ahead: int
+) -> tuple[torch.Tensor | None, int]:
+    """Draw the window's segments of a random fill of all of it into its memory, each from where the one before
+    stopped (Note [A window drawn as runs]); where the last stopped: its state and position."""
+    memory = window.memory()
+    end: torch.Tensor | None = state
+    position = -ahead  # outputs after the fill's first: the generator is `ahead` outputs before it
+    for segment in window.segments:
+        out = memory[segment.start - window.start : segment.stop - window.start]
+        assert end is not None
+        if position < 0:
+            _, end, position = pattern.draw_with_end(end, segment.start, segment.stop, ahead=-position, out=out)
+        else:
+            _, end, position = pattern.draw_with_end(end, segment.start, segment.stop, behind=position, out=out)
+    return end, position
 
 
 def window_arguments(op: Op, windows: Mapping[int, Window], env: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -517,11 +636,26 @@ def run(
         (window,) = on
         state, ahead = walk.ahead_of(index)
         pattern = window.patterns[index]
-        values, end, position = pattern.draw_with_end(
-            state, window.start, window.stop, ahead=ahead, out=window.destination()
-        )
-        window.filled(values)
+        if len(window.segments) <= 1 or window.host is not None:
+            values, end, position = pattern.draw_with_end(
+                state, window.start, window.stop, ahead=ahead, out=window.destination()
+            )
+            window.filled(values)
+        else:
+            end, position = _draw_segments(window, pattern, state, ahead)
         walk.drew_part(index, end, position)
+        return True
+    if Role.CLONE in roles:
+        made = next(window for window in on if window.roles[index] == Role.CLONE)
+        assert made.source is not None
+        (slot,) = op.slots
+        copied = windows.get(slot.storage)
+        if copied is not None:
+            part = copied.view(made.source)
+        else:  # its source is made whole: the rows of its view that the window holds
+            read = layouts[slot.ref]
+            part = env[slot.ref].narrow(0, (made.source.offset - read.offset) // read.stride[0], made.source.size[0])
+        made.tensor = aten.clone.default(part, memory_format=torch.contiguous_format).view(-1)
         return True
     if Role.ELEMENTWISE in roles:
         (window,) = on
