@@ -29,8 +29,27 @@ not modelled, a view in another dtype, a change of geometry in place) is made wh
 window would be all of it. The values in the window are those of the whole storage, bit for bit, so a shard
 replayed this way equals the slice of the eager tensor, and the unsharded parameter is never allocated: a rank's
 memory is its shards plus the window of the parameter at hand (or its shards alone, when each window is drawn
-into its shard). A window is the span (hull) of what is read, so a strided shard (``RowwiseParallel``'s dim-1
-cut) spans nearly all of its parameter and costs about as much.
+into its shard).
+
+A storage made whole by a ``clone`` of a view of another (``distribute_tensor``'s local shard, which FSDP2 then
+cuts along dim 0) has a window too: whole rows of the copy, made by cloning the same rows of the view (the *source*
+part), which is all its source's window must hold for that reader. So a rank of FSDP2 over tensor parallelism
+copies and draws its own rows, not its tensor-parallel shard, and a trivial mesh dimension (tp 1) costs nothing.
+Storages are planned last touched first, so a copy's window is known before its source's.
+
+Note [A window drawn as runs]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A window is the span of what is read, but what is read may be runs with gaps between them (a strided view: the
+rows of a ``RowwiseParallel`` column cut that a rank keeps, or of an FSDP2 cut of it). Each reader's elements are
+taken as runs (``_runs``), those less than a jump apart joined (``_gap_drawn``: drawing ``draws.JUMP_COST`` outputs
+costs what a jump costs), and a random fill of all of the window draws only these *segments* into the window's
+memory: the first from where the walk left the generator, each next one from where the one before stopped, jumping
+the gap (a distance that repeats from one identical layer to the next, whose power ``mt19937`` keeps). Each
+segment is ``Pattern.draw`` of its elements, exact for the block path of ``normal_`` too (a segment's blocks and the
+redrawn tail are drawn whole), and the fill's last segment leaves the generator where the walk goes on from, as for
+one part. The window's other elements are never written and never read (every reader reads within its runs), so a
+window may be all of its storage when its segments are not. The scalar ``normal_`` path (fewer than 16 elements)
+is drawn as one segment.
 
 Note [Drawing into the padded shard]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -424,10 +443,10 @@ def _runs(layout: Layout) -> list[range]:
         return [span] if span else []
     gap = _gap_drawn(layout.dtype)
     dims = sorted(((stride, size) for size, stride in zip(layout.size, layout.stride, strict=True) if size > 1))
-    runs = [range(0, 1)]  # relative to the layout's offset, from the innermost dimension out
+    runs = [range(1)]  # relative to the layout's offset, from the innermost dimension out
     for stride, size in dims:
         if len(runs) == 1 and stride - runs[0].stop <= gap:  # its copies touch or draw through: one run
-            runs = [range(0, (size - 1) * stride + runs[0].stop)]
+            runs = [range((size - 1) * stride + runs[0].stop)]
             continue
         if len(runs) * size > _MOST_RUNS:
             return [span]
@@ -469,9 +488,9 @@ def _created(op: Op, storage: int, layouts: Mapping[int, Layout]) -> Layout | No
 
 
 def _cloned(op: Op, storage: int, layouts: Mapping[int, Layout]) -> tuple[Layout, Layout] | None:
-    """The layout of the whole storage and of the view ``op`` copied into it if ``op`` is a ``clone`` that made ``storage`` whole, contiguous from its
-    start, of another storage's elements in the same dtype and sizes (``distribute_tensor``'s local shard, which
-    FSDP2 then cuts): a window of it is a copy of a narrowed view of that one."""
+    """The layouts of the whole storage and of the view ``op`` copied into it if ``op`` is a ``clone`` that made
+    ``storage`` whole, contiguous from its start, of another storage's elements in the same dtype and sizes
+    (``distribute_tensor``'s local shard, which FSDP2 then cuts): a window of it is a copy of a narrowed view."""
     if op.func is not aten.clone.default or len(op.slots) != 1 or op.constant_slots or len(op.out_refs) != 1:
         return None
     (source,) = op.slots
