@@ -24,6 +24,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -152,11 +153,16 @@ def materialized(
     return model
 
 
+def local_of(parameter: torch.Tensor) -> torch.Tensor:
+    return parameter.to_local() if isinstance(parameter, DTensor) else parameter
+
+
 def assert_eager_shards(model: nn.Module, reference: nn.Module, coordinates: dict[str, int]) -> None:
     assert not is_deferred(model)
     for name, parameter in model.named_parameters():
-        local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
-        assert same_bits(local, expected_local(reference.get_parameter(name), parameter, coordinates)), name
+        assert same_bits(local_of(parameter), expected_local(reference.get_parameter(name), parameter, coordinates)), (
+            name
+        )
 
 
 def eager(make: Callable[[], nn.Module]) -> tuple[nn.Module, torch.Tensor]:
@@ -212,7 +218,7 @@ def test_a_rank_of_fsdp_over_tensor_parallelism_draws_its_own_rows_not_its_tenso
     dp: int, tp: int, rank: int
 ) -> None:
     reference, state_after_eager = eager(Columns)
-    plan = {"first": ColwiseParallel(), "second": ColwiseParallel()}
+    plan: dict[str, ParallelStyle] = {"first": ColwiseParallel(), "second": ColwiseParallel()}
     with fake_mesh(dp, tp, rank) as mesh:
         torch.manual_seed(0)
         model = deferred_init(Columns)
@@ -220,7 +226,7 @@ def test_a_rank_of_fsdp_over_tensor_parallelism_draws_its_own_rows_not_its_tenso
         fully_shard(model, mesh=mesh["dp"])
         drawn = drawn_elements(lambda: materialize_module(model))
         assert_eager_shards(model, reference, coordinates_of(rank, tp))
-        own = sum(parameter.to_local().numel() for parameter in model.parameters())  # type: ignore[operator]
+        own = sum(local_of(parameter).numel() for parameter in model.parameters())
     assert torch.equal(torch.get_rng_state(), state_after_eager)
     total = sum(parameter.numel() for parameter in reference.parameters())
     assert own <= drawn <= own + 2 * 16  # normal_ draws whole blocks of 16 at either end
@@ -243,14 +249,14 @@ def test_a_rank_of_a_row_cut_draws_its_runs_and_jumps_the_long_gaps_between_them
     width = 2 * FAR_JUMP_COST + 2 * 50 + 3  # each run and each gap longer than a jump's cost in outputs
     make = lambda: Wide(width)  # noqa: E731
     reference, state_after_eager = eager(make)
-    plan = {"uniform": RowwiseParallel(), "normal": RowwiseParallel()}
+    plan: dict[str, ParallelStyle] = {"uniform": RowwiseParallel(), "normal": RowwiseParallel()}
     with fake_mesh(1, 3, rank) as mesh:
         torch.manual_seed(0)
         model = deferred_init(make)
         parallelize_module(model, mesh["tp"], plan, src_data_rank=None)
         drawn = drawn_elements(lambda: materialize_module(model))
         assert_eager_shards(model, reference, coordinates_of(rank, 3))
-        own = sum(parameter.to_local().numel() for parameter in model.parameters())  # type: ignore[operator]
+        own = sum(local_of(parameter).numel() for parameter in model.parameters())
     assert torch.equal(torch.get_rng_state(), state_after_eager)
     runs = 2 * 3  # per weight, a run per row
     assert own <= drawn <= own + runs * 2 * 16 + 16  # blocks of 16 at a run's ends, the redrawn tail
