@@ -439,8 +439,8 @@ def _runs(layout: Layout) -> list[range]:
     """The elements of its storage ``layout`` reads, as runs of adjacent elements, those at most ``_gap_drawn``
     apart joined (so, for most layouts, one run: its span)."""
     span = layout.span
-    if not span or any(stride < 0 for stride in layout.stride):
-        return [span] if span else []
+    if len(span) == math.prod(layout.size) or any(stride < 0 for stride in layout.stride):
+        return [span] if span else []  # dense (most layouts): one run
     gap = _gap_drawn(layout.dtype)
     dims = sorted(((stride, size) for size, stride in zip(layout.size, layout.stride, strict=True) if size > 1))
     runs = [range(1)]  # relative to the layout's offset, from the innermost dimension out
