@@ -282,3 +282,37 @@ def test_a_layout_whose_initializer_is_not_modelled_is_drawn_whole_and_still_the
             materialize_module(model)
             assert_eager_shards(model, reference, coordinates_of(rank, 2))
         assert torch.equal(torch.get_rng_state(), state_after_eager)
+
+
+@pytest.mark.parametrize("op", ["uniform_", "normal_"])
+@pytest.mark.parametrize(("first", "second"), [((0, 20), (40, 77)), ((5, 17), (60, 100)), ((16, 32), (90, 101))])
+def test_runs_drawn_one_from_where_the_last_stopped_are_the_fills_values_and_end_where_it_does(
+    op: str, first: tuple[int, int], second: tuple[int, int]
+) -> None:
+    from modattrs._deferred import draws
+    from modattrs._deferred.mt19937 import jumped_state
+
+    before = torch.Generator().manual_seed(3).get_state()
+    eager_generator = torch.Generator()
+    eager_generator.set_state(before)
+    whole = getattr(torch.empty(101), op)(generator=eager_generator)  # 101: normal_ redraws its last 16
+    pattern = draws.pattern(getattr(torch.ops.aten, op).default, (torch.empty(101, device="meta"),), {})
+    assert pattern is not None
+    values, end, position = pattern.draw_with_end(before, *first)
+    assert torch.equal(values, whole[slice(*first)])
+    assert end is not None
+    values, end, position = pattern.draw_with_end(end, *second, behind=position)
+    assert torch.equal(values, whole[slice(*second)])
+    assert end is not None
+    assert torch.equal(jumped_state(end, pattern.outputs(before) - position), eager_generator.get_state())
+
+
+def test_a_run_that_reads_numbers_before_the_state_it_is_drawn_from_is_refused() -> None:
+    from modattrs._deferred import draws
+
+    pattern = draws.pattern(torch.ops.aten.normal_.default, (torch.empty(101, device="meta"),), {})
+    assert pattern is not None
+    _, end, position = pattern.draw_with_end(torch.Generator().get_state(), 0, 20)
+    assert end is not None
+    with pytest.raises(ValueError, match=r"(?s)its first output at or after 32.*got:      16"):
+        pattern.draw_with_end(end, 20, 40, behind=position)  # its block begins at element 16, drawn already
