@@ -12,6 +12,16 @@ kernels draw serially, so eager code draws on one core):
   time in this process on torch's fake process group, for ranks 0, N/2 and N-1: ``deferred_init``, ``fully_shard``
   each block then the root, then ``materialize_module(model)``, of which only the materialization is timed, on one
   thread as eager construction; the row gives the slowest of the ranks measured.
+* the layouts large-model training runs, for the plain decoder: 1-D FSDP2 over 8 ranks, and on a 2-D
+  ("dp", "tp") mesh dp 4 x tp 2, dp 8 x tp 8, dp 8 x tp 1 (a trivial tp dimension) and tp 8 alone:
+  ``parallelize_module`` of each block over tp (Megatron's cut: q, k, v, gate and up ``ColwiseParallel``, o and down
+  ``RowwiseParallel``; the embedding and ``lm_head`` too), with ``src_data_rank=None``, then ``fully_shard`` of each
+  block and the root over dp; ranks 0, N/2 and N-1, the row giving the one furthest above its target. Each rank's
+  target is 1.3 times its *floor* plus 0.03x: the least a rank pays with torch's CPU generator, its own elements'
+  draws plus, for each contiguous run of them in the eager parameter, the lesser of a jump and drawing the gap
+  before it, from ``normal_`` and ``uniform_`` per element and a jump to a repeated distance measured in this
+  process. ``--layouts`` measures these rows alone. Local shards are checked against ``torch.chunk`` of the eager
+  parameter along each sharded dim, the tensor-parallel cut first under FSDP2's ``_StridedShard``.
 * whole-model ``materialize_module`` with its default thread count, torch's (target 0.65x).
 * ``lm_head`` alone, after ``load_state_dict`` of every other tensor of the eager model with ``assign=True``,
   on one thread, against drawing ``lm_head`` alone with eager code (target 2x).
