@@ -334,6 +334,8 @@ def _window(
         whole, cloned = _cloned(ops[indices[0]], storage, layouts) or (None, None)
     if whole is None or _covered(target_spans, math.prod(whole.size)):
         return None  # not made whole by a factory, or all of it is a target's (FSDP2's padded shard)
+    if cloned is not None and target_spans:
+        return None  # a target on a copy (a deep copy's view) keeps its place in the whole copy, as in eager code
     roles = {indices[0]: Role.CREATE if cloned is None else Role.CLONE}
     spans = list(target_spans)
     partial: dict[int, range] = {}
