@@ -12,6 +12,16 @@ kernels draw serially, so eager code draws on one core):
   time in this process on torch's fake process group, for ranks 0, N/2 and N-1: ``deferred_init``, ``fully_shard``
   each block then the root, then ``materialize_module(model)``, of which only the materialization is timed, on one
   thread as eager construction; the row gives the slowest of the ranks measured.
+* the layouts large-model training runs, for the plain decoder: 1-D FSDP2 over 8 ranks, and on a 2-D
+  ("dp", "tp") mesh dp 4 x tp 2, dp 8 x tp 8, dp 8 x tp 1 (a trivial tp dimension) and tp 8 alone:
+  ``parallelize_module`` of each block over tp (Megatron's cut: q, k, v, gate and up ``ColwiseParallel``, o and down
+  ``RowwiseParallel``; the embedding and ``lm_head`` too), with ``src_data_rank=None``, then ``fully_shard`` of each
+  block and the root over dp; ranks 0, N/2 and N-1, the row giving the one furthest above its target. Each rank's
+  target is 1.3 times its *floor* plus 0.03x: the least a rank pays with torch's CPU generator, its own elements'
+  draws plus, for each contiguous run of them in the eager parameter, the lesser of a jump and drawing the gap
+  before it, from ``normal_`` and ``uniform_`` per element and a jump to a repeated distance measured in this
+  process. ``--layouts`` measures these rows alone. Local shards are checked against ``torch.chunk`` of the eager
+  parameter along each sharded dim, the tensor-parallel cut first under FSDP2's ``_StridedShard``.
 * whole-model ``materialize_module`` with its default thread count, torch's (target 0.65x).
 * ``lm_head`` alone, after ``load_state_dict`` of every other tensor of the eager model with ``assign=True``,
   on one thread, against drawing ``lm_head`` alone with eager code (target 2x).
@@ -62,6 +72,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 # Registers the "fake" backend: collectives that do nothing, so one process can play any rank of any world size.
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -516,6 +527,172 @@ def first_line(error: BaseException) -> str:
     return (str(error).splitlines() or [""])[0]
 
 
+# Layouts: FSDP2 over tensor parallelism on a 2-D mesh, and its degenerate cases
+
+#: (label, dp, tp): a 2-D ("dp", "tp") mesh; tp 1 is a trivial tensor-parallel dimension, dp 1 none at all
+LAYOUTS = (
+    ("1-D FSDP2, 8 ranks", 8, 0),  # tp 0: the 1-D mesh of the rows above
+    ("dp 4 x tp 2", 4, 2),
+    ("dp 8 x tp 8", 8, 8),
+    ("dp 8 x tp 1", 8, 1),
+    ("tp 8", 1, 8),
+)
+
+
+def layout_target(floor: float) -> float:
+    return 1.3 * floor + 0.03
+
+
+@contextlib.contextmanager
+def fake_mesh(rank: int, dp: int, tp: int) -> Iterator[DeviceMesh]:
+    """This process as ``rank`` of a (dp, tp) mesh on torch's fake process group (a 1-D mesh of dp ranks when
+    tp is 0)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dp * max(tp, 1))
+    try:
+        if tp == 0:
+            yield init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
+        else:
+            yield init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def tensor_parallel_plan() -> dict[str, ParallelStyle]:
+    """Megatron's cut of a block, as torchtitan makes it: q, k, v, gate and up by rows, o and down by columns."""
+    plan: dict[str, ParallelStyle] = {f"attention.{name}_proj": ColwiseParallel() for name in "qkv"}
+    plan |= {"attention.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel()}
+    plan |= {"mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    return plan
+
+
+def lay_out(model: nn.Module, mesh: DeviceMesh, tp: int) -> None:
+    """``parallelize_module`` over tp (no collective: ``src_data_rank=None``), then ``fully_shard`` over dp."""
+    if tp:
+        for block in blocks_of(model):
+            parallelize_module(block, mesh["tp"], tensor_parallel_plan(), src_data_rank=None)
+        head_plan: dict[str, ParallelStyle] = {"embed_tokens": RowwiseParallel(), "lm_head": ColwiseParallel()}
+        parallelize_module(model, mesh["tp"], head_plan, src_data_rank=None)
+    if mesh.mesh_dim_names is not None and mesh["dp"].size() > 1:
+        for block in blocks_of(model):
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+
+
+def coordinates_of(rank: int, tp: int) -> dict[str, int]:
+    """Where ``rank`` sits on the row-major (dp, tp) mesh, by name (the fake group's submeshes do not know)."""
+    return {"dp": rank // max(tp, 1), "tp": rank % max(tp, 1)}
+
+
+def local_part(full: Tensor, parameter: Tensor, coordinates: dict[str, int]) -> Tensor:
+    """What a rank holds of ``full`` under ``parameter``'s placements: ``torch.chunk`` along each sharded dim, in
+    the mesh's order, or for FSDP2 over tensor parallelism (``_StridedShard``) the tensor-parallel cut first."""
+    if not isinstance(parameter, DTensor):
+        return full
+    mesh, placements = parameter.device_mesh, parameter.placements
+    assert mesh.mesh_dim_names is not None
+    order = list(range(mesh.ndim))
+    if any(type(placement).__name__ == "_StridedShard" for placement in placements):
+        order.reverse()
+    local = full
+    for mesh_dim in order:
+        dim = getattr(placements[mesh_dim], "dim", None)
+        if isinstance(dim, int):
+            chunks = torch.chunk(local, mesh.size(mesh_dim), dim=dim)
+            index = coordinates[mesh.mesh_dim_names[mesh_dim]]
+            local = chunks[index] if index < len(chunks) else local.narrow(dim, 0, 0)
+    return local
+
+
+def layout_differences(
+    model: nn.Module, eager: nn.Module, eager_state: Tensor, coordinates: dict[str, int]
+) -> list[str]:
+    found = []
+    if is_deferred(model):
+        found.append("tensors still deferred after materialization")
+    for name, parameter in model.named_parameters():
+        expected = local_part(eager.get_parameter(name).detach(), parameter, coordinates)
+        if not same_bits(local_of(parameter), expected):
+            found.append(f"parameter {name}")
+    if not same_bits(torch.get_rng_state(), eager_state):
+        found.append("the default generator's state after materializing")
+    return found
+
+
+def floor_s(
+    model: nn.Module, eager: nn.Module, coordinates: dict[str, int], ns_per_element: dict[str, float], jump_s: float
+) -> float:
+    """The least a rank pays with torch's CPU generator: for each drawn parameter, its own elements' draws, and for
+    each contiguous run of them (in the eager parameter's memory), the lesser of a jump and drawing the gap before
+    it (from the parameter's first element, or the run before)."""
+    total = 0.0
+    draws = {
+        f"{name}.weight": kind
+        for module_name, module in eager.named_modules()
+        for name, kind in [(module_name, "normal_" if isinstance(module, nn.Embedding) else "uniform_")]
+        if isinstance(module, (nn.Embedding, nn.Linear))
+    }
+    for name, parameter in model.named_parameters():
+        kind = draws.get(name)
+        if kind is None:
+            continue  # ones: no draw
+        full = eager.get_parameter(name)
+        indices = local_part(torch.arange(full.numel()).view(full.shape), parameter, coordinates).flatten()
+        if indices.numel() == 0:
+            continue
+        indices = indices.sort().values
+        breaks = torch.nonzero(indices[1:] != indices[:-1] + 1).flatten() + 1
+        starts = torch.cat([indices[:1], indices[breaks]])
+        ends = torch.cat([indices[breaks - 1] + 1, indices[-1:] + 1])
+        gaps = starts - torch.cat([torch.zeros(1, dtype=ends.dtype), ends[:-1]])
+        per = ns_per_element[kind] * 1e-9
+        total += indices.numel() * per + torch.clamp(gaps.double() * per, max=jump_s).sum().item()
+    return total
+
+
+def layout_rows(
+    subject: Subject, eager: nn.Module, eager_state: Tensor, eager_s: float, runs: int, progress: Progress
+) -> list[Row]:
+    """A row per layout: its slowest rank of 0, middle and last against its own floor (each rank's best of
+    ``runs``, on one thread as eager construction), values checked as in every row."""
+    costs = measured_draw_costs()
+    jump_s = min(again for _, again in measured_jump_costs().values())
+    rows = []
+    for label, dp, tp in LAYOUTS:
+        world_size = dp * max(tp, 1)
+        ranks = ranks_measured(world_size)
+        row = Row(subject.key, f"{label} (ranks {', '.join(map(str, ranks))})", "-", f"{eager_s:.3f} s", None, 1.0)
+        worst: tuple[float, int, float, float] | None = None  # (ratio over target, rank, seconds, floor)
+        for rank in ranks:
+            seconds = math.inf
+            coordinates = coordinates_of(rank, tp)
+            try:
+                with fake_mesh(rank, dp, tp) as mesh, one_thread():
+                    for _ in range(runs):
+                        torch.manual_seed(SEED)
+                        model: nn.Module = deferred_init(subject.build)
+                        lay_out(model, mesh, tp)
+                        as_in_a_fresh_process()
+                        seconds = min(seconds, wall_s(lambda model=model: materialize_sharded(model))[0])  # type: ignore[misc]
+                        row.problems += [
+                            f"rank {rank}: {d}" for d in layout_differences(model, eager, eager_state, coordinates)
+                        ]
+                    floor = floor_s(model, eager, coordinates, costs, jump_s) / eager_s
+                    del model
+                over = (seconds / eager_s) / layout_target(floor)
+                if worst is None or over > worst[0]:
+                    worst = over, rank, seconds, floor
+            except Exception as error:
+                traceback.print_exc()
+                row.problems.append(f"rank {rank} raised {type(error).__name__}: {first_line(error)}")
+            progress(f"{subject.key}: {label}, rank {rank}: {seconds:.3f} s")
+        if worst is not None:
+            _, rank, seconds, floor = worst
+            row.label += f": rank {rank}, floor {floor:.3f}x"
+            row.measured, row.ratio, row.target = f"{seconds:.3f} s", seconds / eager_s, layout_target(floor)
+        rows.append(row)
+    return rows
+
+
 # Projection
 
 
@@ -745,7 +922,7 @@ def projection(measured: list[Measured], dims: Dims) -> list[str]:
 # The run
 
 
-def run(dims: Dims, keys: list[str], quick: bool, runs: int) -> int:
+def run(dims: Dims, keys: list[str], quick: bool, runs: int, layouts_only: bool = False) -> int:
     progress = Progress()
     threads = torch.get_num_threads()
     load_before = os.getloadavg()[0]
@@ -768,6 +945,10 @@ def run(dims: Dims, keys: list[str], quick: bool, runs: int) -> int:
             f"eager construction {eager_s:.3f} s (best of {EAGER_RUNS}, one thread)"
         )
         progress(header[-1])
+        if key == "plain":
+            rows += layout_rows(subject, eager, eager_state, eager_s, runs, progress)
+        if layouts_only:
+            continue
         subject_rows, slowest = fsdp_rows(subject, eager, eager_state, eager_s, runs, progress)
         subject_rows.append(whole_model_row(subject, eager, eager_state, eager_s, runs))
         progress(f"{key}: whole model: {subject_rows[-1].measured}")
@@ -803,7 +984,7 @@ def run(dims: Dims, keys: list[str], quick: bool, runs: int) -> int:
         if len(row.problems) > 20:
             print(f"    ... and {len(row.problems) - 20} more")
     try:
-        for line in projection(measured, dims):
+        for line in projection(measured, dims) if measured else []:
             print(line)
     except Exception as error:
         traceback.print_exc()
@@ -828,6 +1009,9 @@ def main() -> None:
     parser.add_argument(
         "--runs", type=int, default=2, help="timed materializations per rank and per row, the best kept (default 2)"
     )
+    parser.add_argument(
+        "--layouts", action="store_true", help="only the rows of the layouts (FSDP2 over tensor parallelism, ...)"
+    )
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "RANK"), help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.runs < 1:
@@ -838,7 +1022,9 @@ def main() -> None:
         memory_worker(subjects(dims)[key], int(rank))
         return
     keys = [arguments.only] if arguments.only else ["plain", "llama"]
-    sys.exit(run(dims, keys, arguments.quick, arguments.runs))
+    if arguments.layouts:
+        keys = ["plain"]
+    sys.exit(run(dims, keys, arguments.quick, arguments.runs, arguments.layouts))
 
 
 if __name__ == "__main__":

@@ -281,7 +281,14 @@ class Pattern:
         return self.draw_with_end(state, start, stop, ahead=ahead)[0]
 
     def draw_with_end(
-        self, state: torch.Tensor, start: int, stop: int, *, ahead: int = 0, out: torch.Tensor | None = None
+        self,
+        state: torch.Tensor,
+        start: int,
+        stop: int,
+        *,
+        ahead: int = 0,
+        out: torch.Tensor | None = None,
+        behind: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """``draw``'s result, with where its last private generator stopped: its state, and how many outputs after
         the operation's first that is (``None, 0`` when nothing was drawn, and for ``PAIRS``, whose positions
@@ -290,10 +297,25 @@ class Pattern:
 
         ``out``: a real 1-D CPU tensor of ``stop - start`` adjacent elements of the pattern's dtype, written with
         the elements and returned (drawn into where the kernel's path allows, else copied) instead of a new one.
+
+        ``behind``: ``state`` is that many outputs after the operation's first (where the draw of an earlier part
+        stopped: the next part jumps the gap between them, a distance that repeats from one identical layer to the
+        next), instead of ``ahead`` of it; the part must read no output before that (``SERIAL`` and ``BLOCKS``).
         """
         self._check_range(start, stop, "draw")
-        if not isinstance(ahead, int) or isinstance(ahead, bool) or ahead < 0:
-            raise ValueError(f"Pattern.draw: `ahead` must be a non-negative int (outputs), got {ahead!r}")
+        for name, value in (("ahead", ahead), ("behind", behind)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"Pattern.draw: `{name}` must be a non-negative int (outputs), got {value!r}")
+        read = self.outputs_read(state, start, stop)[:1] if behind else ()
+        if behind and (ahead or self.kind == PAIRS or (read and read[0].start < behind)):
+            first = read
+            raise ValueError(
+                "Pattern.draw: a part drawn from a state `behind` the operation's first output must read no output "
+                "before that state, on a path without the Box-Muller cache, without `ahead`\n"
+                f"  expected: its first output at or after {behind}, kind {SERIAL!r} or {BLOCKS!r}, ahead 0\n"
+                f"  got:      {first[0].start if first else None}, kind {self.kind!r}, ahead {ahead}"
+            )
+        ahead -= behind  # the distance from `state` to the operation's first output, negative when past it
         if out is not None:
             self._check_draw_out(out, stop - start)
         parts: list[torch.Tensor] = []

@@ -29,8 +29,27 @@ not modelled, a view in another dtype, a change of geometry in place) is made wh
 window would be all of it. The values in the window are those of the whole storage, bit for bit, so a shard
 replayed this way equals the slice of the eager tensor, and the unsharded parameter is never allocated: a rank's
 memory is its shards plus the window of the parameter at hand (or its shards alone, when each window is drawn
-into its shard). A window is the span (hull) of what is read, so a strided shard (``RowwiseParallel``'s dim-1
-cut) spans nearly all of its parameter and costs about as much.
+into its shard).
+
+A storage made whole by a ``clone`` of a view of another (``distribute_tensor``'s local shard, which FSDP2 then
+cuts along dim 0) has a window too: whole rows of the copy, made by cloning the same rows of the view (the *source*
+part), which is all its source's window must hold for that reader. So a rank of FSDP2 over tensor parallelism
+copies and draws its own rows, not its tensor-parallel shard, and a trivial mesh dimension (tp 1) costs nothing.
+Storages are planned last touched first, so a copy's window is known before its source's.
+
+Note [A window drawn as runs]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A window is the span of what is read, but what is read may be runs with gaps between them (a strided view: the
+rows of a ``RowwiseParallel`` column cut that a rank keeps, or of an FSDP2 cut of it). Each reader's elements are
+taken as runs (``_runs``), those less than a jump apart joined (``_gap_drawn``: drawing ``draws.JUMP_COST`` outputs
+costs what a jump costs), and a random fill of all of the window draws only these *segments* into the window's
+memory: the first from where the walk left the generator, each next one from where the one before stopped, jumping
+the gap (a distance that repeats from one identical layer to the next, whose power ``mt19937`` keeps). Each
+segment is ``Pattern.draw`` of its elements, exact for the block path of ``normal_`` too (a segment's blocks and the
+redrawn tail are drawn whole), and the fill's last segment leaves the generator where the walk goes on from, as for
+one part. The window's other elements are never written and never read (every reader reads within its runs), so a
+window may be all of its storage when its segments are not. The scalar ``normal_`` path (fewer than 16 elements)
+is drawn as one segment.
 
 Note [Drawing into the padded shard]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -57,7 +76,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +137,7 @@ class Role:
     OUTSIDE = "outside"  # a partial elementwise write outside the window: not run
     READ = "read"
     HOST = "host"  # the factory of the storage the window is drawn into: gives it
+    CLONE = "clone"  # the copy that made the storage whole, contiguous, from a view of another: copies the window
     COPIED = "copied"  # the copy of the window into its host: not run
 
 
@@ -154,6 +174,10 @@ class Window:
     make: Callable[[], torch.Tensor] | None = None  # its creator, run on the window's size: see memory
     empty: torch.Tensor | None = None  # its stand_in
     host: Host | None = None  # the storage it is drawn into, if any
+    # The parts of the window a random fill of all of it draws (Note [A window drawn as runs]): sorted, disjoint,
+    # within start:stop, holding every element anything kept reads; the rest of the window is never read.
+    segments: tuple[range, ...] = ()
+    source: Layout | None = None  # for a window made by a CLONE: the part of the view copied that lands in it
 
     def memory(self) -> torch.Tensor:
         """The window's memory, made now if it is not yet: its part of its host, or else its creator's result. The
@@ -228,14 +252,20 @@ def plan(
         if layout is None or layout.storage != storage:
             whole.add(storage)
         else:
-            spans.setdefault(storage, []).append(layout.span)
-    windows: dict[int, Window] = {}
-    for storage, indices in touching.items():
+            spans.setdefault(storage, []).extend(_runs(layout))
+    found: dict[int, Window] = {}
+    copied: dict[int, Layout] = {}  # a CLONE's index -> the part of its source it copies into its window
+    # Last touched first: a storage copied from another (a CLONE) is planned before the storage it copies from,
+    # whose window then holds only the part copied.
+    for storage in reversed(touching):
         if storage in whole:
             continue
-        window = _window(record, storage, indices, spans.get(storage, []), pattern_of)
+        window = _window(record, storage, touching[storage], spans.get(storage, []), pattern_of, copied)
         if window is not None:
-            windows[storage] = window
+            found[storage] = window
+            if window.source is not None:
+                copied[touching[storage][0]] = window.source
+    windows = {storage: found[storage] for storage in touching if storage in found}
     for storage, window in windows.items():
         if storage not in spans:
             window.host = _host(record, window, touching, windows)
@@ -301,12 +331,18 @@ def _window(
     indices: list[int],
     target_spans: list[range],
     pattern_of: Callable[[int], draws.Pattern | None],
+    copied: Mapping[int, Layout],
 ) -> Window | None:
     ops, layouts = record.ops, record.layouts
     whole = _created(ops[indices[0]], storage, layouts)
+    cloned = None
+    if whole is None:
+        whole, cloned = _cloned(ops[indices[0]], storage, layouts) or (None, None)
     if whole is None or _covered(target_spans, math.prod(whole.size)):
         return None  # not made whole by a factory, or all of it is a target's (FSDP2's padded shard)
-    roles = {indices[0]: Role.CREATE}
+    if cloned is not None and target_spans:
+        return None  # a target on a copy (a deep copy's view) keeps its place in the whole copy, as in eager code
+    roles = {indices[0]: Role.CREATE if cloned is None else Role.CLONE}
     spans = list(target_spans)
     partial: dict[int, range] = {}
     patterns: dict[int, draws.Pattern] = {}
@@ -332,7 +368,9 @@ def _window(
                 return None  # makes a tensor on this storage without being a view
             else:
                 roles[index] = Role.READ
-                spans.extend(layouts[slot.ref].span for slot in on)
+                part = copied.get(index)  # a CLONE into a window copies only this part
+                for slot in on:
+                    spans.extend(_runs(layouts[slot.ref] if part is None else part))
             continue
         if len(written) != 1 or len(op.slots) != 1 or op.constant_slots or op.writes != {storage}:
             return None  # writes from another tensor, or through several arguments
@@ -348,9 +386,26 @@ def _window(
                 partial[index] = layout.span
         else:
             return None
-    if _covered(spans, math.prod(whole.size)):
+    segments = _merged(spans, _gap_drawn(whole.dtype))
+    if len(segments) == 1 and _covered(segments, math.prod(whole.size)):
         return None  # all of it is needed: made whole, as eager code makes it
-    start, stop = _hull(spans) or (0, 0)
+    start, stop = _hull(segments) or (0, 0)
+    source = None
+    if cloned is not None:  # whole rows of the copy: the part of its source they come from is a narrowed view
+        row = math.prod(whole.size[1:])
+        if not whole.size or row == 0:
+            return None
+        start, stop = start - start % row, -(-stop // row) * row
+        if _covered([range(start, stop)], math.prod(whole.size)) or cloned.size != whole.size:
+            return None
+        segments = (range(start, stop),)
+        source = Layout(
+            cloned.storage,
+            cloned.offset + start // row * cloned.stride[0],
+            ((stop - start) // row, *cloned.size[1:]),
+            cloned.stride,
+            cloned.dtype,
+        )
     for index, span in partial.items():
         if span.start >= start and span.stop <= stop:
             continue
@@ -358,16 +413,64 @@ def _window(
             roles[index] = Role.OUTSIDE
             continue
         return None  # straddles the window's edge
-    return Window(storage, whole.dtype, start, stop, roles, indices[-1], patterns=patterns)
+    if any(pattern.kind == draws.PAIRS for pattern in patterns.values()):
+        segments = (range(start, stop),)  # the scalar path's cached normal: drawn from the window's start
+    return Window(
+        storage, whole.dtype, start, stop, roles, indices[-1], patterns=patterns, segments=segments, source=source
+    )
 
 
-def _covered(spans: list[range], elements: int) -> bool:
+def _gap_drawn(dtype: torch.dtype) -> int:
+    """The longest gap, in elements, between two parts of a window that a random fill draws through rather than
+    jumps (Note [A window drawn as runs]): what a jump costs, in outputs (``draws.JUMP_COST``), over the outputs an
+    element takes (two for float64, one for narrower floats; fills that take more per element draw through a little
+    more than they could jump)."""
+    return draws.JUMP_COST // (2 if dtype == torch.float64 else 1)
+
+
+def _merged(runs: list[range], gap: int) -> tuple[range, ...]:
+    """The non-empty ``runs`` sorted, those that overlap or lie at most ``gap`` elements apart joined."""
+    joined: list[range] = []
+    for run in sorted((run for run in runs if run), key=lambda run: run.start):
+        if joined and run.start - joined[-1].stop <= gap:
+            if run.stop > joined[-1].stop:
+                joined[-1] = range(joined[-1].start, run.stop)
+        else:
+            joined.append(run)
+    return tuple(joined)
+
+
+_MOST_RUNS = 1 << 16  # a layout of more runs than this (after joining) is taken as its span: drawn through
+
+
+def _runs(layout: Layout) -> list[range]:
+    """The elements of its storage ``layout`` reads, as runs of adjacent elements, those at most ``_gap_drawn``
+    apart joined (so, for most layouts, one run: its span)."""
+    span = layout.span
+    if len(span) == math.prod(layout.size) or any(stride < 0 for stride in layout.stride):
+        return [span] if span else []  # dense (most layouts): one run
+    gap = _gap_drawn(layout.dtype)
+    dims = sorted(((stride, size) for size, stride in zip(layout.size, layout.stride, strict=True) if size > 1))
+    runs = [range(1)]  # relative to the layout's offset, from the innermost dimension out
+    for stride, size in dims:
+        if len(runs) == 1 and stride - runs[0].stop <= gap:  # its copies touch or draw through: one run
+            runs = [range((size - 1) * stride + runs[0].stop)]
+            continue
+        if len(runs) * size > _MOST_RUNS:
+            return [span]
+        runs = list(
+            _merged([range(run.start + i * stride, run.stop + i * stride) for i in range(size) for run in runs], gap)
+        )
+    return [range(span.start + run.start, span.start + run.stop) for run in runs]
+
+
+def _covered(spans: Sequence[range], elements: int) -> bool:
     """Whether the hull of ``spans`` covers elements ``0:elements`` (a window of it would be all of it)."""
     start, stop = _hull(spans) or (0, 0)
     return start <= 0 and stop >= elements
 
 
-def _hull(spans: list[range]) -> tuple[int, int] | None:
+def _hull(spans: Sequence[range]) -> tuple[int, int] | None:
     """The first and last element + 1 of the non-empty ``spans`` (which lie within their storage), if any."""
     hull = None
     for span in spans:
@@ -392,6 +495,25 @@ def _created(op: Op, storage: int, layouts: Mapping[int, Layout]) -> Layout | No
     return layout
 
 
+def _cloned(op: Op, storage: int, layouts: Mapping[int, Layout]) -> tuple[Layout, Layout] | None:
+    """The layouts of the whole storage and of the view ``op`` copied into it if ``op`` is a ``clone`` that made
+    ``storage`` whole, contiguous from its start, of another storage's elements in the same dtype and sizes
+    (``distribute_tensor``'s local shard, which FSDP2 then cuts): a window of it is a copy of a narrowed view."""
+    if op.func is not aten.clone.default or len(op.slots) != 1 or op.constant_slots or len(op.out_refs) != 1:
+        return None
+    (source,) = op.slots
+    ref = op.out_refs[0]
+    made = layouts.get(ref) if ref is not None else None
+    read = layouts.get(source.ref)
+    if made is None or read is None or made.storage != storage or read.storage == storage or not source.laid:
+        return None
+    if made.offset != 0 or not _contiguous(made) or made.size != read.size or made.dtype != read.dtype:
+        return None
+    if op.device is None or op.device.type != "cpu" or source.written or op.writes:
+        return None
+    return made, read
+
+
 def _laid_out(slot: Slot, dtype: torch.dtype) -> bool:
     """Whether a tensor given to an operation sits where its ref's layout says (``Slot.laid``), in ``dtype``."""
     return slot.laid and slot.dtype == dtype
@@ -414,6 +536,24 @@ def _in_place_pointwise(func: OpOverload) -> bool:
 
 
 # --- running ---------------------------------------------------------------------------------------------------------
+
+
+def _draw_segments(
+    window: Window, pattern: draws.Pattern, state: torch.Tensor, ahead: int
+) -> tuple[torch.Tensor | None, int]:
+    """Draw the window's segments of a random fill of all of it into its memory, each from where the one before
+    stopped (Note [A window drawn as runs]); where the last stopped: its state and position."""
+    memory = window.memory()
+    end: torch.Tensor | None = state
+    position = -ahead  # outputs after the fill's first: the generator is `ahead` outputs before it
+    for segment in window.segments:
+        out = memory[segment.start - window.start : segment.stop - window.start]
+        assert end is not None
+        if position < 0:
+            _, end, position = pattern.draw_with_end(end, segment.start, segment.stop, ahead=-position, out=out)
+        else:
+            _, end, position = pattern.draw_with_end(end, segment.start, segment.stop, behind=position, out=out)
+    return end, position
 
 
 def window_arguments(op: Op, windows: Mapping[int, Window], env: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -526,11 +666,26 @@ def run(
         (window,) = on
         state, ahead = walk.ahead_of(index)
         pattern = window.patterns[index]
-        values, end, position = pattern.draw_with_end(
-            state, window.start, window.stop, ahead=ahead, out=window.destination()
-        )
-        window.filled(values)
+        if len(window.segments) <= 1 or window.host is not None:
+            values, end, position = pattern.draw_with_end(
+                state, window.start, window.stop, ahead=ahead, out=window.destination()
+            )
+            window.filled(values)
+        else:
+            end, position = _draw_segments(window, pattern, state, ahead)
         walk.drew_part(index, end, position)
+        return True
+    if Role.CLONE in roles:
+        made = next(window for window in on if window.roles[index] == Role.CLONE)
+        assert made.source is not None
+        (slot,) = op.slots
+        copied = windows.get(slot.storage)
+        if copied is not None:
+            part = copied.view(made.source)
+        else:  # its source is made whole: the rows of its view that the window holds
+            read = layouts[slot.ref]
+            part = env[slot.ref].narrow(0, (made.source.offset - read.offset) // read.stride[0], made.source.size[0])
+        made.tensor = aten.clone.default(part, memory_format=torch.contiguous_format).view(-1)
         return True
     if Role.ELEMENTWISE in roles:
         (window,) = on
