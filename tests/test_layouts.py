@@ -316,3 +316,29 @@ def test_a_run_that_reads_numbers_before_the_state_it_is_drawn_from_is_refused()
     assert end is not None
     with pytest.raises(ValueError, match=r"(?s)its first output at or after 32.*got:      16"):
         pattern.draw_with_end(end, 20, 40, behind=position)  # its block begins at element 16, drawn already
+
+
+def rows_of_an_expanded_clone() -> nn.Module:
+    module = nn.Module()
+    base = torch.randn(1, 64)
+    module.p = nn.Parameter(base.expand(1024, 64).clone())  # a clone of a view whose rows are all one row
+    return module
+
+
+def keep_rows_256_to_384(module: nn.Module) -> nn.Module:
+    shard = module.p.new_zeros(128, 64)  # as FSDP2 copies a rank's rows into a shard it makes
+    shard.copy_(module.p[256:384])
+    module.p = nn.Parameter(shard)
+    return module
+
+
+def test_a_cut_of_a_clone_of_an_expanded_view_is_the_eager_rows() -> None:
+    torch.manual_seed(0)
+    eager = keep_rows_256_to_384(rows_of_an_expanded_clone())
+    state_after_eager = torch.get_rng_state()
+    torch.manual_seed(0)
+    deferred = keep_rows_256_to_384(deferred_init(rows_of_an_expanded_clone))
+    materialize_module(deferred)
+    assert not is_deferred(deferred)
+    assert torch.equal(deferred.p, eager.p)
+    assert torch.equal(torch.get_rng_state(), state_after_eager)

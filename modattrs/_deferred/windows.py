@@ -509,6 +509,8 @@ def _cloned(op: Op, storage: int, layouts: Mapping[int, Layout]) -> tuple[Layout
         return None
     if made.offset != 0 or not _contiguous(made) or made.size != read.size or made.dtype != read.dtype:
         return None
+    if not read.size or read.stride[0] <= 0:  # rows of the view found by their offset: an expanded dim 0 has none
+        return None
     if op.device is None or op.device.type != "cpu" or source.written or op.writes:
         return None
     return made, read
