@@ -30,6 +30,7 @@ from typing import Any, cast
 import torch
 
 from modattrs._deferred import generator
+from modattrs._deferred.fingerprint import refuse_unless_ranks_agree
 from modattrs._deferred.recorder import recorded_together, scatter_own_chunk
 from modattrs._deferred.replay import state_after
 from modattrs._fake import backward, cuda_guard, spoofed_cuda
@@ -481,6 +482,8 @@ def _own_chunk_scattered(original: Callable[..., Any]) -> Callable[..., Any]:
         ):
             mesh, mesh_dim = called["mesh"], called["mesh_dim"]
             if mesh.get_coordinate() is not None and len(chunks) == mesh.size(mesh_dim):
+                group_src = called.get("group_src", 0)
+                refuse_unless_ranks_agree(chunks, mesh.get_group(mesh_dim), group_src, "scatter")
                 scatter_own_chunk(called["output"], chunks, mesh.get_local_rank(mesh_dim))
                 return None  # as for meta tensors: no work to wait for
         return original(*args, **kwargs)
@@ -494,8 +497,16 @@ def _own_values_broadcast(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def mesh_broadcast(*args: Any, **kwargs: Any) -> Any:  # as given: torch's helper takes and checks them
         called = _bound(signature, args, kwargs)
-        deferred = called.get("async_op") is False and recorded_together([called.get("tensor")])
-        if deferred and called["mesh"].get_coordinate() is not None:
+        tensor, mesh = called.get("tensor"), called.get("mesh")
+        if (
+            called.get("async_op") is False
+            and isinstance(tensor, FakeTensor)
+            and recorded_together([tensor])
+            and mesh is not None
+            and mesh.get_coordinate() is not None
+        ):
+            group = mesh.get_group(called["mesh_dim"])
+            refuse_unless_ranks_agree([tensor], group, called.get("group_src", 0), "broadcast")
             return None  # the source's values are this rank's own: nothing to record
         return original(*args, **kwargs)
 

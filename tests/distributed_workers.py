@@ -356,6 +356,55 @@ def scenario_tensor_parallel(output: Path) -> dict[str, Any]:
     }
 
 
+class RankMarked(nn.Module):
+    """``feed_forward``'s layers, plus what a constructor may do by rank (``how``): nothing, seed by rank, write the
+    rank into a parameter, copy in data that differs by rank (a checkpoint only rank 0 read), draw once more on one
+    rank, or keep a rank-dependent buffer that is never sent."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        rank = dist.get_rank()
+        if how == "seeded by rank":
+            torch.manual_seed(rank)
+        if how == "an extra draw on the last rank" and rank == dist.get_world_size() - 1:
+            torch.randn(3)
+        self.layers = feed_forward()
+        self.register_buffer("marks", torch.zeros(3))
+        with torch.no_grad():
+            if how == "the rank in a replicated bias":
+                self.layers[2].bias.fill_(rank)
+            if how == "data only rank 0 read":
+                self.layers[0].weight.copy_(torch.full_like(self.layers[0].weight, float(rank == 0), device="cpu"))
+            if how == "a rank-dependent buffer never sent":
+                self.marks.fill_(rank)
+
+
+def scenario_rank_dependent_sources(output: Path) -> dict[str, Any]:
+    """Each kind of ``RankMarked``, deferred and parallelized with rank 0's values sent (src_data_rank=0): what
+    each rank got, or the error it raised."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plan: dict[str, ParallelStyle] = {"layers.0": ColwiseParallel(), "layers.2": RowwiseParallel()}
+    outcomes: dict[str, Any] = {}
+    for how in (
+        "alike",
+        "seeded by rank",
+        "the rank in a replicated bias",
+        "data only rank 0 read",
+        "an extra draw on the last rank",
+        "a rank-dependent buffer never sent",
+    ):
+        torch.manual_seed(0)
+        model = deferred_init(RankMarked, how)
+        try:
+            parallelize_module(model, mesh, plan)
+        except modattrs.deferred.DeferredInitError as error:
+            outcomes[how] = str(error)
+            continue
+        materialize_module(model)
+        outcomes[how] = {name: p.to_local().detach().clone() for name, p in model.layers.named_parameters()}
+    return outcomes
+
+
 def scenario_mixed_precision(output: Path) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
@@ -408,6 +457,7 @@ SCENARIOS = {
     "fsdp-after-sharding-llama": lambda out: scenario_fsdp_materialize_after_sharding(out, "llama"),
     "tensor-parallel": scenario_tensor_parallel,
     "mixed-precision": scenario_mixed_precision,
+    "rank-dependent-sources": scenario_rank_dependent_sources,
     "dcp": scenario_dcp,
     "raises-on-the-last-rank": scenario_raises_on_the_last_rank,
 }

@@ -161,6 +161,38 @@ def test_tensor_parallel_deferred_model_materializes_each_rank_slice_whether_or_
         assert not saved["scattered_still_deferred"]
 
 
+def test_a_deferred_source_that_differs_by_rank_is_refused_on_every_rank_rather_than_replayed_as_each_ones_own(
+    tmp_path: Path,
+) -> None:
+    from tests.distributed_workers import feed_forward
+
+    torch.manual_seed(0)
+    eager = dict(feed_forward().named_parameters())
+    cut = {"0.weight": 0, "0.bias": 0, "2.weight": 1}  # the others replicated
+    refused = {  # how the ranks differ -> the tensor named, and what sends it
+        "seeded by rank": ("layers.0.weight", "scatter"),
+        "the rank in a replicated bias": ("layers.2.bias", "broadcast"),
+        "data only rank 0 read": ("layers.0.weight", "scatter"),
+        "an extra draw on the last rank": ("layers.0.weight", "scatter"),
+    }
+    for rank, outcomes in enumerate(run_ranks("rank-dependent-sources", tmp_path)):
+        for how, (name, collective) in refused.items():
+            message = outcomes[how]
+            assert isinstance(message, str), f"rank {rank}, {how}: not refused"
+            assert message.startswith(f"{name} cannot be sent from rank 0"), f"rank {rank}, {how}: {message}"
+            assert f"DTensor's {collective} sends rank 0's values" in message
+            assert "got: ranks [1] recorded it otherwise" in message
+        # Alike, or different only in a tensor that is never sent: each rank gets its slice of rank 0's values.
+        for how in ("alike", "a rank-dependent buffer never sent"):
+            shards = outcomes[how]
+            assert isinstance(shards, dict), f"rank {rank}, {how}: {shards}"
+            for name, parameter in eager.items():
+                expected = parameter.detach()
+                if name in cut:
+                    expected = torch.chunk(expected, 2, cut[name])[rank]
+                assert torch.equal(shards[name], expected), f"rank {rank}, {how}: {name}"
+
+
 def test_fsdp2_mixed_precision_virtual_values_follow_the_compute_dtype_where_asked(tmp_path: Path) -> None:
     for rank in run_ranks("mixed-precision", tmp_path):
         # FSDP casts parameters to bfloat16 for forward, and leaves buffers alone.

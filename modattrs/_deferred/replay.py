@@ -369,3 +369,8 @@ def _run(
     for leaf, ref in zip(leaves, op.out_refs, strict=True):
         if ref is not None and ref in wanted:  # None: a result that is not a tensor
             env[ref] = leaf
+
+
+def needed_ops(record: Record, targets: Mapping[int, int], count: int) -> list[int]:
+    """The operations among the first ``count`` of ``record`` that a replay of ``targets`` runs, in order."""
+    return _slice(record, targets, count).kept
