@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -189,18 +190,27 @@ def test_ranks_first_middle_and_last_of_each_layout_hold_the_eager_shards_and_le
         assert torch.equal(torch.get_rng_state(), state_after_eager), rank
 
 
-def drawn_elements(run: Callable[[], object]) -> int:
-    """The elements the random fills run by ``run`` write, counted by torch's profiler (generator jumps that draw
-    use ``random_``, which is not counted)."""
+def elements_written(run: Callable[[], object]) -> Counter[str]:
+    """By operator, the elements of tensors that the calls run by ``run`` write in place (calls made by a call of
+    the same operator not counted), counted by torch's profiler; copies of the generator's state, which replays
+    save and restore, left out."""
+    state_size = [torch.get_rng_state().numel()]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
         run()
-    drawn = 0
+    written: Counter[str] = Counter()
     for event in profile.events():
-        if event.name in ("aten::normal_", "aten::uniform_") and event.input_shapes:
+        if event.name.endswith("_") and event.input_shapes and event.input_shapes[0] != state_size:
             parent = event.cpu_parent
             if parent is None or parent.name != event.name:
-                drawn += math.prod(event.input_shapes[0])
-    return drawn
+                written[event.name] += math.prod(event.input_shapes[0])
+    return written
+
+
+def drawn_elements(run: Callable[[], object]) -> int:
+    """The elements the random fills run by ``run`` write (generator jumps that draw use ``random_``, which is not
+    counted)."""
+    written = elements_written(run)
+    return written["aten::normal_"] + written["aten::uniform_"]
 
 
 class Columns(nn.Module):
@@ -213,24 +223,60 @@ class Columns(nn.Module):
         nn.init.normal_(self.second.weight)
 
 
+def written_by_a_rank_of_fsdp_over_tensor_parallelism(
+    make: Callable[[], nn.Module], style: type[ParallelStyle], dp: int, tp: int, rank: int
+) -> tuple[int, int, int]:
+    """The elements a rank draws and copies to materialize ``make``'s weights cut by ``style`` over tp then by
+    ``fully_shard`` over dp, and its own elements; its shards and the generator checked against eager code's."""
+    reference, state_after_eager = eager(make)
+    plan: dict[str, ParallelStyle] = {"first": style(), "second": style()}
+    with fake_mesh(dp, tp, rank) as mesh:
+        torch.manual_seed(0)
+        model = deferred_init(make)
+        parallelize_module(model, mesh["tp"], plan, src_data_rank=None)
+        fully_shard(model, mesh=mesh["dp"])
+        written = elements_written(lambda: materialize_module(model))
+        drawn, copied = written["aten::normal_"] + written["aten::uniform_"], written["aten::copy_"]
+        assert_eager_shards(model, reference, coordinates_of(rank, tp))
+        own = sum(local_of(parameter).numel() for parameter in model.parameters())
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+    return drawn, copied, own
+
+
 @pytest.mark.parametrize(("dp", "tp", "rank"), [(4, 2, 0), (4, 2, 5), (8, 1, 7)])
 def test_a_rank_of_fsdp_over_tensor_parallelism_draws_its_own_rows_not_its_tensor_parallel_shard(
     dp: int, tp: int, rank: int
 ) -> None:
-    reference, state_after_eager = eager(Columns)
-    plan: dict[str, ParallelStyle] = {"first": ColwiseParallel(), "second": ColwiseParallel()}
-    with fake_mesh(dp, tp, rank) as mesh:
-        torch.manual_seed(0)
-        model = deferred_init(Columns)
-        parallelize_module(model, mesh["tp"], plan, src_data_rank=None)
-        fully_shard(model, mesh=mesh["dp"])
-        drawn = drawn_elements(lambda: materialize_module(model))
-        assert_eager_shards(model, reference, coordinates_of(rank, tp))
-        own = sum(local_of(parameter).numel() for parameter in model.parameters())
-    assert torch.equal(torch.get_rng_state(), state_after_eager)
-    total = sum(parameter.numel() for parameter in reference.parameters())
+    drawn, _, own = written_by_a_rank_of_fsdp_over_tensor_parallelism(Columns, ColwiseParallel, dp, tp, rank)
+    total = 64 * (512 + 384)
     assert own <= drawn <= own + 2 * 16  # normal_ draws whole blocks of 16 at either end
     assert drawn < total // tp  # not the tensor-parallel shard
+
+
+class RowCut(nn.Module):
+    """Row-cut weights (``RowwiseParallel``): a rank's tensor-parallel shard is a strided view of the weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(512, 64, bias=False)
+        self.second = nn.Linear(384, 64, bias=False)
+        nn.init.normal_(self.second.weight)
+
+
+@pytest.mark.parametrize(("dp", "tp", "rank"), [(4, 2, 0), (4, 2, 5), (8, 1, 7)])
+@pytest.mark.parametrize(
+    ("make", "style", "copies"),
+    [(Columns, ColwiseParallel, 0), (RowCut, RowwiseParallel, 1)],
+    ids=["a column cut is drawn into it", "a row cut is copied into it once"],
+)
+def test_a_rank_of_fsdp_over_tensor_parallelism_writes_its_rows_straight_into_its_padded_shard(
+    dp: int, tp: int, rank: int, make: Callable[[], nn.Module], style: type[ParallelStyle], copies: int
+) -> None:
+    _, copied, own = written_by_a_rank_of_fsdp_over_tensor_parallelism(make, style, dp, tp, rank)
+    # Not drawn into a window, cloned into a tensor-parallel shard of its own and then copied into FSDP2's padded
+    # shard: rows of a column cut are drawn where they end, and the strided rows of a row cut are copied there once
+    # (over a trivial tp dimension, the cut is all of the weight: contiguous, drawn where it ends too).
+    assert copied == (copies * own if tp > 1 else 0)
 
 
 class Wide(nn.Module):

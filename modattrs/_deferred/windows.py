@@ -21,8 +21,9 @@ window is known, the replay allocates the window alone and runs those operations
 - *readers* (``copy_`` from a shard view, ``clone``, a conversion): run as usual on views of the window, which they
   lie in by construction;
 - *the copy into a host*: when the window's only reader is a ``copy_`` of all of it into a storage made whole by
-  a factory (FSDP2's padded shard, ``new_zeros``), the window is drawn straight into that storage, where the copy
-  would put it (see ``Note [Drawing into the padded shard]``).
+  a factory (FSDP2's padded shard, ``new_zeros``), or a ``clone`` of all of it into a window that has a host, the
+  window is drawn straight into that storage, where the copy would put it (see ``Note [Drawing into the padded
+  shard]``).
 
 A storage touched by anything else (a write with a tensor source, an opaque initializer, a fill whose draws are
 not modelled, a view in another dtype, a change of geometry in place) is made whole, as before; so is one whose
@@ -70,6 +71,14 @@ window only when
 - between the factory and the copy, the host is only viewed (nothing reads what the copy has not yet written);
 - the factory reads no tensor but the window's dtype and device (``new_zeros`` on the parameter), so it can run
   early, as it would run at its own place.
+
+Under FSDP2 over tensor parallelism the padded shard is copied from a window of ``distribute_tensor``'s ``clone``
+(a CLONE window, whole rows), itself a copy of rows of the parameter's window. The same holds one step up: a CLONE
+window is hosted as a drawn one is (the clone writes all of it first, so its fill is never read), its rows copied
+straight into the padded shard; and a parameter's window whose only reader is such a clone of all of it,
+contiguous (a column cut's rows, or any cut over a trivial tp dimension), is drawn straight into the clone's
+window, which is its host: the clone is not run either, and a rank writes its elements once, where they end. A row
+cut's rows are strided in the parameter: those are drawn into a window of their own and copied once.
 """
 
 from __future__ import annotations
@@ -144,9 +153,10 @@ class Role:
 @dataclass
 class Host:
     """The storage a window is drawn into (``Note [Drawing into the padded shard]``): made whole by the operation
-    at ``factory``; the window is its elements from ``offset`` on."""
+    at ``factory``, or the memory of the window a ``clone`` copies it into (``factory`` None); the window is its
+    elements from ``offset`` on."""
 
-    factory: int
+    factory: int | None
     offset: int
     make: Callable[[], torch.Tensor] | None = None  # the factory, run with stand-ins: see prepare
     tensor: torch.Tensor | None = None  # the whole storage, once made
@@ -269,6 +279,9 @@ def plan(
     for storage, window in windows.items():
         if storage not in spans:
             window.host = _host(record, window, touching, windows)
+    for storage, window in windows.items():  # once the copies' hosts are known
+        if storage not in spans and window.host is None:
+            window.host = _clone_host(record, window, windows)
     return windows
 
 
@@ -307,7 +320,7 @@ def _host(record: Record, window: Window, touching: Mapping[int, list[int]], win
     if read.span != range(window.start, window.stop) or not _contiguous(read) or not _contiguous(laid):
         return None  # the copy reads other than all of the window, or not in its order
     first_write = next(role for role in roles.values() if role not in (Role.CREATE, Role.VIEW, Role.METADATA))
-    if first_write != Role.DRAW:  # (roles are in the order of the operations)
+    if first_write not in (Role.DRAW, Role.CLONE):  # (roles are in the order of the operations)
         return None  # the window holds its creator's fill when the copy reads it, not the host's
     factory, *between = touching[host]
     made = _created(ops[factory], host, layouts)
@@ -323,6 +336,27 @@ def _host(record: Record, window: Window, touching: Mapping[int, list[int]], win
     roles[factory] = Role.HOST
     roles[reader] = Role.COPIED
     return Host(factory, laid.offset)
+
+
+def _clone_host(record: Record, window: Window, windows: Mapping[int, Window]) -> Host | None:
+    """The memory of the window that a ``clone`` of all of ``window``, contiguous, makes, to draw ``window`` into
+    (``Note [Drawing into the padded shard]``), with the clone's role set; else None. ``window``'s storage holds no
+    target."""
+    reads = [index for index, role in window.roles.items() if role == Role.READ]
+    if len(reads) != 1 or window.start == window.stop:
+        return None
+    (reader,) = reads
+    copy = next((made for made in windows.values() if made.roles.get(reader) == Role.CLONE), None)
+    if copy is None or copy.host is None or copy.source is None:
+        return None  # a copy with memory of its own keeps its clone: its memory is made by it
+    read = copy.source
+    if read.storage != window.storage or read.span != range(window.start, window.stop) or not _contiguous(read):
+        return None  # the clone reads other than all of the window, or not in its order
+    first_write = next(role for role in window.roles.values() if role not in (Role.CREATE, Role.VIEW, Role.METADATA))
+    if first_write != Role.DRAW or copy.stop - copy.start != window.stop - window.start:
+        return None
+    window.roles[reader] = Role.COPIED
+    return Host(None, 0, make=copy.memory)
 
 
 def _window(
@@ -611,7 +645,7 @@ def prepare(
     """Give each host its factory, to run whenever it is first needed: ``factories`` holds the factories to run
     instead of those recorded (``new_empty`` for a ``new_zeros`` whose zeros nothing reads)."""
     for window in windows.values():
-        if window.host is not None:
+        if window.host is not None and window.host.factory is not None:
             op = ops[window.host.factory]
             window.host.make = functools.partial(
                 _run_factory, op, factories.get(window.host.factory), windows, device, copies
@@ -687,7 +721,10 @@ def run(
         else:  # its source is made whole: the rows of its view that the window holds
             read = layouts[slot.ref]
             part = env[slot.ref].narrow(0, (made.source.offset - read.offset) // read.stride[0], made.source.size[0])
-        made.tensor = aten.clone.default(part, memory_format=torch.contiguous_format).view(-1)
+        if made.host is None:
+            made.tensor = aten.clone.default(part, memory_format=torch.contiguous_format).view(-1)
+        else:  # copied straight into its part of the host, where the copy into the host would put it
+            made.memory().view(part.shape).copy_(part)
         return True
     if Role.ELEMENTWISE in roles:
         (window,) = on
