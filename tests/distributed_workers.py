@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +25,7 @@ import modattrs.deferred
 import modattrs.fake  # imported to show that it changes nothing in processes that never use it
 from modattrs import ShapedTensor, VirtualTensor
 from modattrs.deferred import deferred_init, is_deferred, materialize_module
+from tests.support.ranks import run_as_rank
 
 DIM, HEADS, LENGTH = 16, 2, 8
 
@@ -474,19 +474,5 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def end_rank(code: int) -> NoReturn:
-    """Leave with ``code``, output flushed, skipping the interpreter's teardown: torch's gloo teardown at exit now and
-    then aborts a rank, whatever it did ("terminate called without an active exception"; plain torch, see
-    docs/distributed.rst). A rank that raised prints its traceback and leaves with 1, so it still fails its test."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        end_rank(1)
-    end_rank(0)
+    run_as_rank(main)

@@ -6,15 +6,13 @@ teardown fails the test. The workers are in distributed_workers.py.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from tests.support import ranks
 
 TESTS = Path(__file__).resolve().parent
 WORKERS = TESTS / "distributed_workers.py"
@@ -23,45 +21,9 @@ TIMEOUT = 90
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_ranks(scenario: str, output: Path, world_size: int = 2) -> list[dict[str, Any]]:
-    """Run one scenario on `world_size` processes; return what each rank saved."""
-    port = free_port()
-    environment = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "WORLD_SIZE": str(world_size),
-        "OMP_NUM_THREADS": "1",
-    }
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, str(WORKERS), scenario, str(output)],
-            env={**environment, "RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world_size)
-    ]
-    failures = []
-    for rank, process in enumerate(ranks):
-        try:
-            _, stderr = process.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            for other in ranks:
-                other.kill()
-            pytest.fail(f"{scenario}: rank {rank} did not finish in {TIMEOUT} s")
-        if process.returncode != 0:
-            failures.append(f"rank {rank} exited with {process.returncode}:\n{stderr[-3000:]}")
-    assert not failures, "\n".join(failures)
-    return [torch.load(output / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+    """Run one scenario on ``world_size`` processes; return what each rank saved."""
+    return ranks.run_ranks(WORKERS, [scenario], output, world_size, TIMEOUT)
 
 
 def assert_equal_dicts(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

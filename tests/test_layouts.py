@@ -14,13 +14,12 @@ import contextlib
 import functools
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import (
@@ -30,19 +29,16 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from modattrs._deferred.mt19937 import FAR_JUMP_COST
 from modattrs.deferred import deferred_init, is_deferred, materialize_module
+from tests.support.ranks import fake_world
 
 
-@contextlib.contextmanager
-def fake_mesh(dp: int, tp: int, rank: int, names: tuple[str, str] = ("dp", "tp")) -> Iterator[DeviceMesh]:
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dp * tp)
-    try:
-        yield init_device_mesh("cpu", (dp, tp), mesh_dim_names=names)
-    finally:
-        dist.destroy_process_group()
+def fake_mesh(
+    dp: int, tp: int, rank: int, names: tuple[str, str] = ("dp", "tp")
+) -> contextlib.AbstractContextManager[DeviceMesh]:
+    return fake_world((dp, tp), rank, names)
 
 
 def coordinates_of(rank: int, tp: int, names: tuple[str, str] = ("dp", "tp")) -> dict[str, int]:

@@ -7,31 +7,18 @@ torch's fake process group, as in ``tests/test_shard_local_replay.py``.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from modattrs.deferred import deferred_init, is_deferred, materialize_module
+from tests.support.ranks import fake_world
 
 WORLD = 8
-
-
-@contextlib.contextmanager
-def fake_world(size: int, rank: int) -> Iterator[DeviceMesh]:
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
-    try:
-        yield init_device_mesh("cpu", (size,))
-    finally:
-        dist.destroy_process_group()
 
 
 class Block(nn.Module):
@@ -94,7 +81,7 @@ def test_a_deep_copied_pipeline_stage_sharded_by_fsdp2_materializes_whole_with_t
     torch.manual_seed(0)
     eager_stage = stage_of(Decoder(), kept, first=first, last=last)
     state_after_eager = torch.get_rng_state()
-    with fake_world(WORLD, rank) as mesh:
+    with fake_world((WORLD,), rank) as mesh:
         torch.manual_seed(0)
         model = deferred_init(Decoder)
         stage = stage_of(model, kept, first=first, last=last)

@@ -8,38 +8,27 @@ time in this process on torch's fake process group, as in ``tests/test_shard_loc
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from modattrs import _torch_changes
 from modattrs._torch_private import TRUNC_NORMAL_HELPER
 from modattrs.deferred import deferred_init, materialize_module, materialize_tensor
 from modattrs.fake import fake_mode, is_fake
+from tests.support.ranks import fake_world
 
 # torch 2.8's helper is uniform_ then erfinv_, never one normal_; 2.13's and later are rejection samplers.
 REJECTION_SAMPLER = "erfinv_" not in inspect.getsource(getattr(nn.init, TRUNC_NORMAL_HELPER))
 needs_rejection_sampler = pytest.mark.skipif(
     not REJECTION_SAMPLER, reason="this torch's trunc_normal_ is not a rejection sampler: it is never one normal_"
 )
-
-
-@contextlib.contextmanager
-def fake_world(size: int, rank: int) -> Iterator[DeviceMesh]:
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
-    try:
-        yield init_device_mesh("cpu", (size,))
-    finally:
-        dist.destroy_process_group()
 
 
 class Block(nn.Module):
@@ -140,7 +129,7 @@ def test_every_rank_materializes_the_eager_slices_of_trunc_normal_weights_and_th
     size: int, rank: int, dtype: torch.dtype
 ) -> None:
     reference, state_after_eager = eager(lambda: Model(dtype))
-    with fake_world(size, rank) as mesh:
+    with fake_world((size,), rank) as mesh:
         model = sharded(lambda: Model(dtype), mesh)
         materialize_module(model)
         for name, parameter in model.named_parameters():
@@ -177,7 +166,7 @@ def drawn_while_materializing(model: nn.Module) -> dict[str, int]:
 def test_a_rank_of_an_8_rank_fsdp2_world_draws_only_about_its_shard_of_trunc_normal_weights() -> None:
     size, rank = 8, 3
     reference, state_after_eager = eager(Decoder)
-    with fake_world(size, rank) as mesh:
+    with fake_world((size,), rank) as mesh:
         model = sharded(Decoder, mesh)
         drawn = drawn_while_materializing(model)["normal_"]
         own = sum(parameter.to_local().numel() for parameter in model.parameters())  # type: ignore[attr-defined]
@@ -217,7 +206,7 @@ def test_trunc_normal_with_bounds_within_normals_reach_is_drawn_through_with_eag
 ) -> None:
     make = lambda: WithinReach(*bounds)  # noqa: E731
     reference, state_after_eager = eager(make)
-    with fake_world(size, rank) as mesh:
+    with fake_world((size,), rank) as mesh:
         model = sharded(make, mesh)
         materialize_module(model)
         for name, parameter in model.named_parameters():
@@ -314,7 +303,7 @@ def test_a_fill_a_copy_overwrites_whole_is_jumped_over_not_drawn_and_values_are_
 ) -> None:
     make = lambda: FusedQKV(how)  # noqa: E731
     reference, state_after_eager = eager(make)
-    with fake_world(size, rank) as mesh:
+    with fake_world((size,), rank) as mesh:
         model = sharded(make, mesh)
         drawn = drawn_while_materializing(model)["uniform_"]
         for name, parameter in model.named_parameters():

@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import re
-import subprocess
-import sys
-import textwrap
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -28,15 +24,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from modattrs.deferred import DeferredInitError, deferred_init, is_deferred, materialize_module
-
-
-@contextlib.contextmanager
-def fake_world(shape: tuple[int, ...], rank: int) -> Iterator[DeviceMesh]:
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(shape))
-    try:
-        yield init_device_mesh("cpu", shape)
-    finally:
-        dist.destroy_process_group()
+from tests.support import ranks
+from tests.support.ranks import fake_world
 
 
 def holder(rows: int, columns: int) -> Callable[[], nn.Module]:
@@ -209,43 +198,11 @@ def test_a_collective_the_replay_does_not_model_is_refused_naming_the_tensor_it_
         assert is_deferred(model)  # left as it was
 
 
-# A rank's peak memory: run in a process of its own, so that the high-water mark is the replay's.
-MEMORY_SCRIPT = textwrap.dedent(
-    """
-    import re
-    from pathlib import Path
-    import torch, torch.distributed as dist
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    from modattrs.deferred import deferred_init, materialize_module
-
-    def high_water_mib():
-        return int(re.search(r"VmHWM:\\s+(\\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
-
-    size, rank = 8, 5
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
-    mesh = init_device_mesh("cpu", (size,))
-    torch.manual_seed(0)
-    model = deferred_init(nn.Linear, 4096, 4096, bias=False)
-    model.weight = nn.Parameter(distribute_tensor(model.weight, mesh, [Shard(0)]))  # rank 0's chunks scattered
-    materialize_module(deferred_init(nn.Linear, 8, 8))  # first uses out of the measure
-    Path("/proc/self/clear_refs").write_text("5")
-    before = high_water_mib()
-    materialize_module(model)
-    print(high_water_mib() - before, model.weight.to_local().nbytes / 2**20)
-    """
-)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the resident set's high-water mark")
+@ranks.needs_high_water_mark
 def test_a_rank_given_its_scattered_chunk_makes_that_chunk_not_the_whole_parameter() -> None:
-    environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", MEMORY_SCRIPT], env=environment, capture_output=True, text=True, timeout=300
+    # rank 0's chunks scattered; rank 5's chunk is 8 MiB, chunks 0 to 5 48 MiB
+    growth_mib, shard_mib = ranks.peak_growth_of_a_rank(
+        "model.weight = nn.Parameter(distribute_tensor(model.weight, mesh, [Shard(0)]))"
     )
-    assert done.returncode == 0, done.stderr
-    growth_mib, shard_mib = map(float, done.stdout.split())
-    parameter_mib = 4096 * 4096 * 4 / 2**20  # 64 MiB, rank 5's chunk 8 MiB, chunks 0 to 5 48 MiB
+    parameter_mib = ranks.WEIGHT_MIB
     assert growth_mib < parameter_mib / 2, f"peak grew by {growth_mib:.1f} MiB for a {shard_mib:.1f} MiB chunk"

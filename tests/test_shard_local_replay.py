@@ -6,35 +6,21 @@ a deferred model or materializing it); ``tests/test_distributed.py`` runs the sa
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import subprocess
-import sys
-import textwrap
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from modattrs.deferred import deferred_init, materialize_module
-
-
-@contextlib.contextmanager
-def fake_world(size: int, rank: int) -> Iterator[DeviceMesh]:
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
-    try:
-        yield init_device_mesh("cpu", (size,))
-    finally:
-        dist.destroy_process_group()
+from tests.support import ranks
+from tests.support.ranks import fake_world
 
 
 class Block(nn.Module):
@@ -103,7 +89,7 @@ def test_every_rank_materializes_the_eager_models_slices_and_leaves_the_generato
     size: int, rank: int, blockwise: bool
 ) -> None:
     reference, state_after_eager = eager(Model)
-    with fake_world(size, rank) as mesh:
+    with fake_world((size,), rank) as mesh:
         model = sharded(Model, mesh, blockwise=blockwise)
         assert_slices_of(model, reference, size, rank)
     assert torch.equal(torch.get_rng_state(), state_after_eager)
@@ -114,7 +100,7 @@ def test_a_draw_between_deferred_init_and_materializing_gets_eager_codes_numbers
     torch.manual_seed(0)
     reference = Model()
     between = torch.rand(5)
-    with fake_world(size, rank) as mesh:
+    with fake_world((size,), rank) as mesh:
         torch.manual_seed(0)
         model = deferred_init(Model)
         fully_shard(model, mesh=mesh)
@@ -158,7 +144,7 @@ def test_any_parameter_sharded_over_any_world_is_the_eager_slice(
         return holder
 
     reference, state_after_eager = eager(make)
-    with fake_world(size, rank) as mesh:
+    with fake_world((size,), rank) as mesh:
         model = sharded(make, mesh, blockwise=False)
         assert_slices_of(model, reference, size, rank)
     assert torch.equal(torch.get_rng_state(), state_after_eager)
@@ -170,7 +156,7 @@ def test_tensor_parallel_shards_are_the_eager_slices(style: str) -> None:
     make = lambda: nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 32))  # noqa: E731
     reference, _ = eager(make)
     plan = {"0": ColwiseParallel(), "1": RowwiseParallel()}
-    with fake_world(size, rank) as mesh:
+    with fake_world((size,), rank) as mesh:
         torch.manual_seed(0)
         model = deferred_init(make)
         parallelize_module(model, mesh, plan, src_data_rank=None)
@@ -182,45 +168,10 @@ def test_tensor_parallel_shards_are_the_eager_slices(style: str) -> None:
         assert torch.equal(weight, expected)
 
 
-# A rank's peak memory: run in a process of its own, so that the high-water mark is the replay's.
-MEMORY_SCRIPT = textwrap.dedent(
-    """
-    import re, sys
-    from pathlib import Path
-    import torch, torch.distributed as dist
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    from modattrs.deferred import deferred_init, materialize_module
-
-    def high_water_mib():
-        return int(re.search(r"VmHWM:\\s+(\\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
-
-    size, rank = 8, 5
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
-    mesh = init_device_mesh("cpu", (size,))
-    torch.manual_seed(0)
-    model = deferred_init(nn.Linear, 4096, 4096, bias=False)
-    fully_shard(model, mesh=mesh)
-    materialize_module(deferred_init(nn.Linear, 8, 8))  # first uses out of the measure
-    Path("/proc/self/clear_refs").write_text("5")
-    before = high_water_mib()
-    materialize_module(model)
-    print(high_water_mib() - before, model.weight.to_local().nbytes / 2**20)
-    """
-)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the resident set's high-water mark")
+@ranks.needs_high_water_mark
 def test_a_rank_holds_its_shard_alone_neither_the_unsharded_parameter_nor_a_second_copy_of_the_shard() -> None:
-    environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", MEMORY_SCRIPT], env=environment, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr
-    growth_mib, shard_mib = map(float, done.stdout.split())
-    parameter_mib = 4096 * 4096 * 4 / 2**20  # 64 MiB, the shard 8 MiB
+    growth_mib, shard_mib = ranks.peak_growth_of_a_rank("fully_shard(model, mesh=mesh)")  # the shard 8 MiB
+    parameter_mib = ranks.WEIGHT_MIB
     assert growth_mib < parameter_mib / 2, f"peak grew by {growth_mib:.1f} MiB for a {shard_mib:.1f} MiB shard"
     # drawn straight into FSDP2's padded shard: not into a window first, then copied
     assert growth_mib < 1.25 * shard_mib, f"peak grew by {growth_mib:.1f} MiB for a {shard_mib:.1f} MiB shard"
@@ -348,7 +299,7 @@ def test_the_padding_fsdp2_adds_to_an_uneven_shard_is_zeros_as_in_eager_sharding
     from modattrs._torch_private import fsdp_padded_shards
 
     make = lambda: nn.Linear(4, 10)  # noqa: E731  (10 rows over 4 ranks: the last has 1 row and 2 of padding)
-    with fake_world(4, rank) as mesh:
+    with fake_world((4,), rank) as mesh:
         reference, _ = eager(make)
         fully_shard(reference, mesh=mesh)  # eager sharding pads with zeros
         expected = {name: shard.clone() for _, name, shard in fsdp_padded_shards(reference)}
@@ -378,7 +329,7 @@ class SameShapesOtherDraws(nn.Module):
 def test_draws_of_one_layout_with_other_numbers_each_give_their_own_eager_slice(size: int, rank: int) -> None:
     reference, state_after_eager = eager(SameShapesOtherDraws)
     for _ in range(2):  # the second time, each call's model of its draws is one seen before
-        with fake_world(size, rank) as mesh:
+        with fake_world((size,), rank) as mesh:
             torch.manual_seed(0)
             model = deferred_init(SameShapesOtherDraws)
             fully_shard(model, mesh=mesh)

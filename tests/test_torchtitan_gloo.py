@@ -8,9 +8,6 @@ default generator must end where eager construction leaves it.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +21,7 @@ except ImportError as error:
         f"torchtitan's model code does not import on torch {torch.__version__}: {error}", allow_module_level=True
     )
 
-from tests.test_distributed import free_port
+from tests.support import ranks
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "torchtitan_workers.py"
@@ -32,35 +29,7 @@ WORLD, TIMEOUT = 4, 240
 
 
 def run_ranks(layout: str, output: Path) -> list[dict[str, Any]]:
-    environment = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "WORLD_SIZE": str(WORLD),
-        "OMP_NUM_THREADS": "1",
-    }
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), layout, str(output)],
-            env={**environment, "RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(WORLD)
-    ]
-    failures = []
-    for rank, process in enumerate(ranks):
-        try:
-            _, stderr = process.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            for other in ranks:
-                other.kill()
-            pytest.fail(f"{layout}: rank {rank} did not finish in {TIMEOUT} s")
-        if process.returncode != 0:
-            failures.append(f"rank {rank} exited with {process.returncode}:\n{stderr[-3000:]}")
-    assert not failures, "\n".join(failures)
-    return [torch.load(output / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+    return ranks.run_ranks(WORKER, [layout], output, WORLD, TIMEOUT)
 
 
 def test_a_training_step_of_torchtitans_llama3_on_deferred_weights_is_the_eager_step_bit_for_bit(

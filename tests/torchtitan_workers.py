@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from modattrs.deferred import deferred_init, is_deferred, materialize_module
 from tests import torchtitan_models as titan
+from tests.support.ranks import run_as_rank
 
 SEED, BATCH, LENGTH = 0, 2, 16
 
@@ -99,17 +99,5 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def end_rank(code: int) -> NoReturn:
-    """Leave with ``code``, output flushed, past the interpreter's teardown (distributed_workers.end_rank says why)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        end_rank(1)
-    end_rank(0)
+    run_as_rank(main)
