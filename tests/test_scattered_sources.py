@@ -23,7 +23,10 @@ from torch.distributed.tensor import Placement, Replicate, Shard, distribute_ten
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from modattrs._deferred.fingerprint import digest_of
+from modattrs._deferred.materialize import recording_mode
 from modattrs.deferred import DeferredInitError, deferred_init, is_deferred, materialize_module
+from modattrs.fake import fake_mode
 from tests.support import ranks
 from tests.support.ranks import fake_world
 
@@ -206,3 +209,35 @@ def test_a_rank_given_its_scattered_chunk_makes_that_chunk_not_the_whole_paramet
     )
     parameter_mib = ranks.WEIGHT_MIB
     assert growth_mib < parameter_mib / 2, f"peak grew by {growth_mib:.1f} MiB for a {shard_mib:.1f} MiB chunk"
+
+
+def digest_of_weight(seed: int, device: str, *, draw_first: bool = False) -> bytes:
+    """What the ranks compare before a scatter of a deferred ``nn.Linear``'s weight (Note [Ranks must agree on a
+    deferred source]), as this process would send it when built from ``seed`` on ``device``."""
+    torch.manual_seed(seed)
+
+    def make() -> nn.Module:
+        if draw_first:
+            torch.randn(2)
+        return nn.Linear(16, 32, device=device)
+
+    model = deferred_init(make)
+    mode = recording_mode(model.weight)
+    assert mode is not None
+    ref, storage = mode.ref_and_storage_of(model.weight)
+    assert ref is not None
+    return digest_of(mode.record, {ref: storage})
+
+
+def test_ranks_that_built_alike_agree_on_a_source_whatever_their_device_index() -> None:
+    assert digest_of_weight(0, "cpu") == digest_of_weight(0, "cpu")
+    with fake_mode(fake_cuda=True):  # rank r builds on cuda:r
+        assert digest_of_weight(0, "cuda:0") == digest_of_weight(0, "cuda:1")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_ranks_seeded_apart_or_that_drew_otherwise_disagree_on_a_source(device: str) -> None:
+    with fake_mode(fake_cuda=True):
+        alike = digest_of_weight(0, device)
+        assert digest_of_weight(1, device) != alike
+        assert digest_of_weight(0, device, draw_first=True) != alike

@@ -21,9 +21,10 @@ source's values in their records:
 Tensors and storages are numbered by their first appearance in the slice, not by the record's numbers, which
 differ where ranks recorded other operations on other tensors (the rank's own chunk of an earlier scatter). Only
 what decides the values counts, so a rank-dependent buffer that is never sent, or an earlier scatter, refuses
-nothing. The digest errs one way: two records with equal digests give equal values; unequal ones are refused even
-if the values would happen to agree (a draw from another device's generator is left out, as replays draw it as it
-is). All ranks gather every digest and decide alike, so that all of them raise, not some while others wait in the
+nothing. The digest errs one way: two records with equal digests give equal values (but for draws from another
+device's generator, which replays draw from as it is when they run: for those the CPU generator's state stands in
+for how the ranks were seeded, as ``torch.manual_seed`` seeds every device; ``torch.cuda.manual_seed`` alone by
+rank goes unseen); unequal ones are refused even if the values would happen to agree. All ranks gather every digest and decide alike, so that all of them raise, not some while others wait in the
 next collective. torch's fake process group sends nothing: there each rank plays alone and nothing is compared.
 """
 
@@ -112,12 +113,18 @@ class _Digester:
             else:
                 yield _leaf(leaf).encode()
         yield repr(("returns", [None if ref is None else number("ref", ref) for ref in op.out_refs])).encode()
-        if op.draws is Draws.DEFAULT and op.device is not None and op.device.type == "cpu":
+        if op.draws is Draws.DEFAULT:
+            # Another device's generator is drawn from as it is when replayed: the CPU generator's state stands in
+            # for how the ranks were seeded (torch.manual_seed seeds every device).
             yield b"drawing from" + self._state_before(index)
 
     def _state_before(self, index: int) -> bytes:
-        """A digest of the default CPU generator's state right before the CPU draw ``index`` of the record."""
-        return _state_before_draw(self.record, bisect.bisect_left(self.record.cpu_draws, index))
+        """A digest of the default CPU generator's state right before the draw ``index`` of the record (for a CPU
+        draw, the state it draws from)."""
+        reset = self.record.ops[index].reset
+        if reset is not None:
+            return b"reset" + _position_digest(reset)
+        return _state_after_draws(self.record, bisect.bisect_left(self.record.cpu_draws, index))
 
 
 # By record: a digest of the default CPU generator's state after each of its CPU draws (Record.cpu_draws), in order.
