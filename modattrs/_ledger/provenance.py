@@ -3,12 +3,11 @@
 Note [Provenance of a write]
 Every label says how its bytes got their values: ``loaded`` (from a checkpoint: the key), ``initialized`` (a fill, a
 random initializer, a factory such as ``zeros`` or ``arange``, or a tensor made from Python data), ``computed``
-(from other tensors), ``received`` (a collective, from another rank). A write keeps the label of what it reads when
-it copies, casts or rearranges one write's bytes, or rewrites a tensor in place reading nothing else (scaling what
-``normal_`` drew); a computation that reads only loaded bytes is loaded too (casting, dequantizing, merging experts),
-under their keys; anything else is computed. A write that reads bytes nothing wrote is ``computed`` and *tainted*:
-its values come from garbage as surely as the garbage itself (a cos/sin table made from an uninitialized
-``inv_freq``).
+(from other tensors), ``received`` (a collective, from another rank). A write keeps the kind of what it reads when it
+copies, casts or rearranges bytes of that one kind (merging experts with ``stack``: loaded, under all their keys), or
+rewrites a tensor in place reading nothing else (scaling what ``normal_`` drew); anything else is computed. A write
+that reads bytes nothing wrote is ``computed`` and *tainted*: its values come from garbage as surely as the garbage
+itself (a cos/sin table made from an uninitialized ``inv_freq``).
 """
 
 from __future__ import annotations

@@ -53,10 +53,14 @@ def tie_groups(module: nn.Module) -> tuple[tuple[str, ...], ...]:
 
 
 def _rank_of(group: object) -> int | None:
-    rank = getattr(group, "rank", None)
+    """This process's rank in a c10d operation's process group (the dispatcher hands it over boxed)."""
     try:
+        import torch.distributed as dist
+
+        unboxed = dist.ProcessGroup.unbox(group) if isinstance(group, torch.ScriptObject) else group
+        rank = getattr(unboxed, "rank", None)
         return int(rank()) if callable(rank) else None
-    except Exception:  # a group object this torch does not let Python ask
+    except Exception:  # a group object this torch does not let Python ask: every rank counts as receiving
         return None
 
 

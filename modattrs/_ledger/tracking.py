@@ -190,7 +190,7 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return Write(COMPUTED, plan.name, user_line(), tainted=tainted)
         if not kinds:
             return Write(INITIALIZED, plan.name, user_line())
-        keeps = kinds <= {LOADED, RECEIVED} or self_only or plan.name in _COPYING
+        keeps = self_only or plan.name in _COPYING
         if len(kinds) == 1 and kinds <= {LOADED, INITIALIZED, RECEIVED} and keeps:
             writes = list(found.values())
             if len(writes) == 1:
