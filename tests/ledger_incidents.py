@@ -178,3 +178,11 @@ def broadcast_from_rank_0(everything: bool) -> nn.Module:
         for tensor in tensors:
             dist.broadcast(tensor, src=0)
     return model
+
+
+def not_a_module() -> str:
+    return "a string"
+
+
+def failing_flow() -> nn.Module:
+    raise ValueError("the checkpoint is missing")
