@@ -77,7 +77,7 @@ def test_an_initializer_is_named_with_the_line_of_the_user_code_that_ran_it() ->
     entry = ledger.report(layer)["weight"]
     assert entry.status == "initialized"
     assert f"{Path(__file__).name}:{line} in test_an_initializer" in entry.parts[0].what
-    assert entry.parts[0].what.startswith("uniform_")
+    assert entry.parts[0].what.startswith("nn.init.kaiming_uniform_ at")
 
 
 def test_load_state_dict_writes_each_tensor_as_loaded_under_its_key() -> None:
@@ -266,19 +266,35 @@ def test_watches_nest_and_each_sees_the_writes_inside_it() -> None:
     assert inner.report(layer)["bias"].status == "unseen"
 
 
+def test_an_initializer_that_reads_its_own_draws_still_initializes() -> None:
+    layer = meta_linear()
+    with watch() as ledger:
+        layer.to_empty(device="cpu")
+        nn.init.orthogonal_(layer.weight)  # a QR factorization of normal draws, copied in
+        nn.init.trunc_normal_(layer.bias, std=0.02)
+    report = ledger.report(layer)
+    assert report["weight"].parts[0].what.startswith("nn.init.orthogonal_ at")
+    assert report["bias"].parts[0].what.startswith("nn.init.trunc_normal_ at")
+    assert {entry.status for entry in report} == {"initialized"}
+
+
+def watched_names() -> tuple[object, ...]:
+    return (torch.load, nn.Module.load_state_dict, safetensors.torch.load_file, safetensors.safe_open, nn.init.normal_)
+
+
 def test_what_a_watch_changes_is_put_back_when_it_ends_even_by_an_exception() -> None:
-    before = (torch.load, nn.Module.load_state_dict, safetensors.torch.load_file, safetensors.safe_open)
+    before = watched_names()
     during = []
 
     def flow() -> None:
         with watch():
-            during.append((torch.load, nn.Module.load_state_dict, safetensors.torch.load_file, safetensors.safe_open))
+            during.append(watched_names())
             raise ZeroDivisionError
 
     with pytest.raises(ZeroDivisionError):
         flow()
     assert all(wrapped is not original for wrapped, original in zip(during[0], before, strict=True))
-    assert (torch.load, nn.Module.load_state_dict, safetensors.torch.load_file, safetensors.safe_open) == before
+    assert watched_names() == before
     assert not torch._C._len_torch_dispatch_stack()
 
 

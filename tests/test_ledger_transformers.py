@@ -103,7 +103,7 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
         first_k_dense_replace=1,
         n_group=1,
         topk_group=1,
-    ),  # fmt: skip
+    ),
     "GptOssForCausalLM": small("GptOssConfig", **DECODER, **MOE),
 }
 
@@ -161,7 +161,7 @@ def test_each_finding_is_written_by_eager_construction(name: str) -> None:
 
 
 def test_the_clip_finding_is_garbage_where_eager_construction_has_the_configured_value() -> None:
-    model, report = meta_to_empty_init_weights("CLIPModel")
+    _, report = meta_to_empty_init_weights("CLIPModel")
     assert report["logit_scale"].ranges("unwritten") == ((0, 4),)
     eager = transformers.CLIPModel(clip_config())
     assert eager.logit_scale.item() == pytest.approx(2.6592)

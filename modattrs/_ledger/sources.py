@@ -9,7 +9,11 @@ process (threads included: transformers reads checkpoints in a thread pool):
 - safetensors' ``load_file``, ``load`` and ``safe_open`` (its handles' ``get_tensor`` and ``get_slice``) tag theirs
   under their names; they are replaced wherever a module bound them by name (``from safetensors import safe_open``);
 - ``nn.Module._apply``, through which every conversion runs, tells the ledger the module's ties before the outermost
-  conversion (``to_empty`` breaks ties between parameters on the meta device).
+  conversion (``to_empty`` breaks ties between parameters on the meta device);
+- the initializers of ``torch.nn.init`` (``normal_``, ``trunc_normal_``, ``orthogonal_``...) say, in their thread,
+  that an initializer runs: what they write is initialized by them, whatever operations they write it with
+  (``trunc_normal_`` resamples by reading its own draws, ``orthogonal_`` copies a QR factor). Code that imported an
+  initializer by name before the watch keeps torch's function, and its writes are labelled by their operations.
 Each wrap calls what it replaced and returns what it returns; when the last watch ends every replaced name holds what
 it held before (a name rebound since is left alone). ``docs/ledger.rst`` lists them for users.
 """
@@ -30,7 +34,7 @@ from torch import nn
 from modattrs._ledger.provenance import Where, user_line
 from modattrs._torch_private import MODULE_CONVERSION
 
-__all__ = ["Sink", "conversion_running", "start", "stop"]
+__all__ = ["Sink", "conversion_running", "initializer_running", "start", "stop"]
 
 
 class Sink(Protocol):
@@ -38,6 +42,14 @@ class Sink(Protocol):
 
     def converting(self, module: nn.Module, op: str, where: Where | None) -> None: ...
 
+
+#: The in-place initializers of torch.nn.init (its deprecated aliases without the underscore call these).
+_INITIALIZER_NAMES = tuple(
+    name
+    for name, value in vars(nn.init).items()
+    if name.endswith("_") and not name.startswith("_") and callable(value)
+    and getattr(value, "__module__", None) == nn.init.__name__
+)  # fmt: skip
 
 _lock = threading.RLock()
 _sinks: list[Sink] = []
@@ -97,6 +109,30 @@ def _wrap_conversion(original: Callable[..., Any]) -> Callable[..., Any]:
             _depth.value = depth
 
     return convert
+
+
+_initializing = threading.local()
+
+
+def initializer_running() -> list[Any] | None:
+    """``[name, where, label]`` of the outermost ``torch.nn.init`` initializer running in this thread, if one is; the
+    tracking mode fills ``label`` at the first write, so that one call's writes share one label."""
+    running: list[Any] | None = getattr(_initializing, "running", None)
+    return running
+
+
+def _wrap_initializer(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def initializer(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_initializing, "running", None) is not None or not _sinks:
+            return original(*args, **kwargs)
+        _initializing.running = [f"nn.init.{original.__name__}", user_line(), None]
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _initializing.running = None
+
+    return initializer
 
 
 def conversion_running() -> str | None:
@@ -173,6 +209,8 @@ def _replace(owner: Any, name: str, replacement: object) -> None:
 def _install() -> None:
     _replace(nn.Module, "load_state_dict", _wrap_load_state_dict(nn.Module.load_state_dict))
     _replace(nn.Module, MODULE_CONVERSION, _wrap_conversion(getattr(nn.Module, MODULE_CONVERSION)))
+    for name in _INITIALIZER_NAMES:
+        _replace(nn.init, name, _wrap_initializer(getattr(nn.init, name)))
     loaders: dict[int, object] = {id(torch.load): _wrap_tree_loader(torch.load, "torch.load", "f")}
     originals: dict[int, object] = {id(torch.load): torch.load}
     if "safetensors" in sys.modules or importlib.util.find_spec("safetensors") is not None:

@@ -25,7 +25,7 @@ import torch
 
 from modattrs._ledger.intervals import byte_runs
 from modattrs._ledger.provenance import COMPUTED, INITIALIZED, LOADED, RECEIVED, Origin, Write, user_line
-from modattrs._ledger.sources import conversion_running
+from modattrs._ledger.sources import conversion_running, initializer_running
 from modattrs._ledger.storages import StorageTable
 from modattrs._torch_private import (
     FakeTensor,
@@ -188,6 +188,12 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 kinds.add("kept")
         if tainted is not None:
             return Write(COMPUTED, plan.name, user_line(), tainted=tainted)
+        running = initializer_running()
+        if running is not None:  # whatever an initializer of torch.nn.init writes, it initializes
+            if running[2] is None:
+                running[2] = Write(INITIALIZED, running[0], running[1])
+            label: Write = running[2]
+            return label
         if not kinds:
             return Write(INITIALIZED, plan.name, user_line())
         keeps = self_only or plan.name in _COPYING
