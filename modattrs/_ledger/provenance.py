@@ -102,10 +102,16 @@ def user_line() -> Where | None:
     return Where(_short_path(frame.f_code.co_filename), frame.f_lineno, frame.f_code.co_name)
 
 
+_short_paths: dict[str, str] = {}
+
+
 def _short_path(filename: str) -> str:
-    """A file's path as users read it: relative to the working directory when it lies below it."""
-    try:
-        relative = os.path.relpath(filename)
-    except ValueError:  # another drive, on Windows
-        return filename
-    return filename if relative.startswith("..") else relative
+    """A file's path as users read it: relative to the working directory (as it was first seen) below it."""
+    short = _short_paths.get(filename)
+    if short is None:
+        try:
+            relative = os.path.relpath(filename)
+        except ValueError:  # another drive, on Windows
+            relative = filename
+        short = _short_paths[filename] = filename if relative.startswith("..") else relative
+    return short

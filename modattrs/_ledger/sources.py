@@ -224,14 +224,31 @@ def _install() -> None:
         ):
             loaders[id(original)] = wrapped
             originals[id(original)] = original
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None) if isinstance(module, ModuleType) else None
-        if namespace is None:
+    for module, name in _bindings(loaders):
+        value = getattr(module, name, None)
+        if id(value) in loaders and originals[id(value)] is value:
+            _replace(module, name, loaders[id(value)])
+
+
+#: The modules looked at for bindings of the loaders (name -> module), and those found (name -> (module, names)):
+#: a module's bindings are looked for once, when it is first seen, not at every watch (thousands of modules).
+_modules_seen: dict[str, object] = {}
+_bindings_found: dict[str, tuple[ModuleType, tuple[str, ...]]] = {}
+
+
+def _bindings(loaders: dict[int, object]) -> list[tuple[ModuleType, str]]:
+    seen, found = _modules_seen, _bindings_found
+    for module_name, module in list(sys.modules.items()):
+        if seen.get(module_name) is module:
             continue
-        for name in _BOUND_NAMES:
-            value = namespace.get(name)
-            if value is not None and id(value) in loaders and originals[id(value)] is value:
-                _replace(module, name, loaders[id(value)])
+        seen[module_name] = module
+        found.pop(module_name, None)
+        namespace = getattr(module, "__dict__", None) if isinstance(module, ModuleType) else None
+        if namespace is not None and isinstance(module, ModuleType):
+            names = tuple(name for name in _BOUND_NAMES if id(namespace.get(name)) in loaders)
+            if names:
+                found[module_name] = (module, names)
+    return [(module, name) for module, names in found.values() for name in names]
 
 
 def _uninstall() -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from modattrs._ledger.intervals import byte_runs
 from modattrs._ledger.provenance import COMPUTED, INITIALIZED, LOADED, RECEIVED, Origin, Write, user_line
@@ -31,7 +32,6 @@ from modattrs._torch_private import (
     FakeTensor,
     OpOverload,
     TorchDispatchMode,
-    address_of,
     imported_dtensor_type,
     returns_aliases,
     written_arguments,
@@ -147,16 +147,20 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for tensor, before in grown:
                 self._grow(tensor, before)
         else:
-            self._outputs(func, plan, args, kwargs, result, label)
+            self._outputs(plan, result, label)
         return result
 
     # --- labels ------------------------------------------------------------------------------------------------------
 
     def _local(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """The tensor whose bytes an operation on ``tensor`` reads or writes, None for one that holds no data."""
-        if self._dtensor is not None and isinstance(tensor, self._dtensor):
-            tensor = _dtensor_local(tensor)
-        if tensor.is_meta or isinstance(tensor, FakeTensor) or tensor.layout != torch.strided:
+        kind = type(tensor)
+        if kind is not torch.Tensor and kind is not nn.Parameter:
+            if self._dtensor is not None and isinstance(tensor, self._dtensor):
+                tensor = _dtensor_local(tensor)
+            if isinstance(tensor, FakeTensor):
+                return None
+        if tensor.is_meta or tensor.layout != torch.strided:
             return None
         return tensor
 
@@ -232,30 +236,16 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             else:
                 fresh.writes.assign(0, before, Write(COMPUTED, "resize_ (bytes kept)", None))
 
-    def _outputs(
-        self,
-        func: OpOverload,
-        plan: _Plan,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        result: Any,
-        label: Write | None,
-    ) -> None:
+    def _outputs(self, plan: _Plan, result: Any, label: Write | None) -> None:
+        """Note the storages an operation without written arguments made: its results, new storages whenever its
+        schema says they alias nothing (Note [What an aten operation writes])."""
         outputs: list[torch.Tensor] = []
         _flatten(result, outputs)
-        if not outputs:
-            return
-        inputs: list[torch.Tensor] = []
-        _flatten(args, inputs)
-        _flatten(list(kwargs.values()), inputs)
-        held = {address_of(local.untyped_storage()) for tensor in inputs if (local := self._local(tensor)) is not None}
         for output in outputs:
             local = self._local(output)
             if local is None:
                 continue
             storage = local.untyped_storage()
-            if address_of(storage) in held:
-                continue  # an input handed back
             if label is None:
                 converting = conversion_running()
                 op = plan.name if converting is None else f"{plan.name} in {converting}"
