@@ -6,6 +6,8 @@ Each flow returns the module it made; the incident a flow reproduces is named in
 
 from __future__ import annotations
 
+import atexit
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -186,3 +188,12 @@ def not_a_module() -> str:
 
 def failing_flow() -> nn.Module:
     raise ValueError("the checkpoint is missing")
+
+
+def broadcast_on_gloo(everything: bool) -> nn.Module:
+    """``broadcast_from_rank_0`` on the gloo ranks the environment describes (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``): a target for ``python -m modattrs audit`` run once per rank."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+        atexit.register(dist.destroy_process_group)
+    return broadcast_from_rank_0(everything)

@@ -4,6 +4,10 @@ naming the tensor and its bytes, and flags nothing on the eager equivalent or th
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import socket
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -128,6 +132,63 @@ def test_a_rank_0_broadcast_of_every_tensor_is_received_on_the_other_ranks_and_l
     source.check()
     assert source["proj.weight"].status == "loaded"
     assert source["inv_freq"].status == "computed"
+
+
+def audit_on_gloo(everything: bool) -> list[tuple[int, dict[str, object]]]:
+    """``python -m modattrs audit ledger_incidents:broadcast_on_gloo`` on 2 gloo ranks: each rank's exit code and
+    JSON report."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tests = Path(__file__).resolve().parent
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)]),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "modattrs",
+        "audit",
+        "ledger_incidents:broadcast_on_gloo",
+        f"everything={everything}",
+    ]
+    ranks = [
+        subprocess.Popen(
+            [*command, "--format", "json"],
+            env={**environment, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    results = []
+    for process in ranks:
+        out, err = process.communicate(timeout=120)
+        assert out, err
+        results.append((process.returncode, json.loads(out)))
+    return results
+
+
+def test_on_two_gloo_ranks_the_audit_of_a_broadcast_skipping_buffers_fails_on_rank_1_only() -> None:
+    (code_0, report_0), (code_1, report_1) = audit_on_gloo(everything=False)
+    assert code_0 == 0
+    assert code_1 == 1
+    statuses_1 = {entry["name"]: entry["status"] for entry in report_1["entries"]}  # type: ignore[attr-defined]
+    assert statuses_1 == {"embed.weight": "received", "proj.weight": "received", "proj.bias": "received",
+                          "head.weight": "received", "inv_freq": "unwritten"}  # fmt: skip
+    assert report_0["counts"] == {"loaded": 4, "computed": 1}
+
+
+def test_on_two_gloo_ranks_a_broadcast_of_every_tensor_passes_the_audit_on_both() -> None:
+    (code_0, _), (code_1, report_1) = audit_on_gloo(everything=True)
+    assert (code_0, code_1) == (0, 0)
+    assert report_1["counts"] == {"received": 5}
 
 
 class ModattrsRotary(nn.Module):
