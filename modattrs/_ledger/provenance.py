@@ -27,7 +27,7 @@ COMPUTED = "computed"
 RECEIVED = "received"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Where:
     """A line of code: the first frame outside torch and modattrs when the write happened."""
 
@@ -39,7 +39,7 @@ class Where:
         return f"{self.file}:{self.line} in {self.function}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Origin:
     """The call that allocated memory without values (``empty``, ``empty_like``, ``to_empty``...)."""
 
@@ -50,7 +50,7 @@ class Origin:
         return self.op if self.where is None else f"{self.op} at {self.where}"
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class Write:
     """How some bytes got their values; compared by identity, so that neighbouring bytes written together merge.
 

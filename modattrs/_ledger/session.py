@@ -38,6 +38,10 @@ def local_data(tensor: torch.Tensor) -> torch.Tensor | None:
         tensor = _dtensor_local(tensor)
     if tensor.is_meta or isinstance(tensor, FakeTensor) or tensor.layout != torch.strided:
         return None
+    try:
+        tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass with no memory of its own
+        return None
     return tensor
 
 

@@ -35,7 +35,7 @@ class Record:
     writes: IntervalMap[Write] = field(default_factory=IntervalMap)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Piece:
     """Bytes ``[start, end)`` of a storage: written by ``write``, or (``write`` None) unwritten if ``allocated``."""
 

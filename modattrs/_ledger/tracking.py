@@ -70,6 +70,8 @@ class _Plan:
     written: tuple[tuple[int, str], ...]  # the arguments it writes
     reads_written: bool  # whether it reads what it writes (add_ does, fill_ and out= do not)
     collective: bool
+    written_positions: frozenset[int] = frozenset()
+    written_names: frozenset[str] = frozenset()
 
 
 @functools.cache
@@ -81,7 +83,9 @@ def _plan(func: OpOverload) -> _Plan:
     metadata_only = torch.Tag.inplace_view in func.tags and name != "resize_"
     skip = metadata_only or (not written and returns_aliases(func))
     reads_written = name not in _OVERWRITING and all(argument == "self" for _, argument in written)
-    return _Plan(name, skip, written, reads_written, func.namespace == "_c10d_functional")
+    positions = frozenset(index for index, _ in written)
+    names = frozenset(argument for _, argument in written)
+    return _Plan(name, skip, written, reads_written, func.namespace == "_c10d_functional", positions, names)
 
 
 def _flatten(value: object, into: list[torch.Tensor]) -> None:
@@ -90,6 +94,15 @@ def _flatten(value: object, into: list[torch.Tensor]) -> None:
     elif isinstance(value, (list, tuple)):
         for item in value:
             _flatten(item, into)
+
+
+def _has_storage(tensor: torch.Tensor) -> bool:
+    """Whether a tensor of a subclass has memory of its own to label (a wrapper subclass may have none)."""
+    try:
+        tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> object:
@@ -124,10 +137,10 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             _flatten(_argument(args, kwargs, index, name), written)
         reads: list[torch.Tensor] = []
         for index, value in enumerate(args):
-            if plan.reads_written or not any(index == position for position, _ in plan.written):
+            if plan.reads_written or index not in plan.written_positions:
                 _flatten(value, reads)
         for key, value in kwargs.items():
-            if plan.reads_written or not any(key == name for _, name in plan.written):
+            if plan.reads_written or key not in plan.written_names:
                 _flatten(value, reads)
         if plan.name in _OVERWRITING and plan.name != "copy_":
             reads = []
@@ -158,7 +171,7 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if kind is not torch.Tensor and kind is not nn.Parameter:
             if self._dtensor is not None and isinstance(tensor, self._dtensor):
                 tensor = _dtensor_local(tensor)
-            if isinstance(tensor, FakeTensor):
+            if isinstance(tensor, FakeTensor) or not _has_storage(tensor):
                 return None
         if tensor.is_meta or tensor.layout != torch.strided:
             return None
