@@ -181,6 +181,32 @@ def test_computed_buffers_of_an_eager_build_are_computed_and_nothing_is_a_proble
     report.check()
 
 
+def test_a_tensor_written_partly_by_an_initializer_and_partly_by_a_computation_is_mixed_with_both_parts() -> None:
+    layer = meta_linear()
+    with watch() as ledger, torch.no_grad():
+        layer.to_empty(device="cpu")
+        layer.weight[:4].zero_()
+        layer.weight[4:].copy_(torch.ones(4, 4) * torch.ones(4))
+        layer.bias.fill_(0.5)
+    report = ledger.report(layer)
+    entry = report["weight"]
+    assert entry.status == "mixed"
+    assert entry.ranges("initialized") == ((0, 64),)
+    assert entry.ranges("computed") == ((64, 128),)
+    report.check()
+    assert report.to_text(all_entries=False).splitlines() == [
+        "write ledger: 2 tensors (initialized 1, mixed 1); 0 problem(s)"
+    ]
+
+
+def test_a_partial_write_at_indices_into_unwritten_memory_counts_as_computed_from_it() -> None:
+    layer = meta_linear()
+    with watch() as ledger, torch.no_grad():
+        layer.to_empty(device="cpu")
+        layer.weight.masked_fill_(torch.ones(8, 4, dtype=torch.bool), 0.0)  # every element, by values it is given
+    assert ledger.report(layer)["weight"].status == "computed from unwritten"
+
+
 def test_every_name_of_a_tied_tensor_and_every_buffer_is_reported() -> None:
     with watch() as ledger:
         module = nn.Module()
