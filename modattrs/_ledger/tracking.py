@@ -51,7 +51,7 @@ _OVERWRITING = frozenset(
 _COPYING = frozenset(
     {"copy_", "_to_copy", "clone", "_copy_from", "_copy_from_and_resize", "lift_fresh_copy", "cat", "stack"}
     | {"narrow_copy", "slice_copy", "select_copy", "t_copy", "transpose_copy", "permute_copy", "view_copy"}
-    | {"expand_copy", "repeat", "index_select", "_foreach_copy_", "contiguous", "flatten", "constant_pad_nd"}
+    | {"expand_copy", "repeat", "index_select", "_foreach_copy_", "constant_pad_nd"}
 )
 #: c10d operations that write what their first argument holds, received from other ranks.
 _RECEIVING = frozenset(
@@ -149,7 +149,7 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             and plan.reads_written
             and all(any(read is target for target in written) for read in reads if isinstance(read, torch.Tensor))
         )
-        label = None if plan.name in _EMPTY else self._label(func, plan, reads, self_only)
+        label = None if plan.name in _EMPTY else self._label(plan, reads, self_only)
         grown = [(tensor, tensor.untyped_storage().nbytes()) for tensor in written] if plan.name == "resize_" else []
         result = func(*args, **kwargs)
         if written:
@@ -177,7 +177,7 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return None
         return tensor
 
-    def _label(self, func: OpOverload, plan: _Plan, reads: list[torch.Tensor], self_only: bool = False) -> Write:
+    def _label(self, plan: _Plan, reads: list[torch.Tensor], self_only: bool = False) -> Write:
         """The label of what ``func`` writes, from the labels of the bytes it reads (Note [Provenance of a write]):
         ``self_only`` when it reads only what it writes (``mul_`` by a number)."""
         found: dict[int, Write] = {}
@@ -282,7 +282,7 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if plan.name in ("broadcast_", "scatter_"):
             group, root = (args[1], args[2]) if plan.name != "scatter_" else (args[2], args[3])
             if self._rank_of(group) == root:
-                label = None if plan.name != "scatter_" else self._label(func, plan, _all(args[1]))
+                label = None if plan.name != "scatter_" else self._label(plan, _all(args[1]))
         result = func(*args, **kwargs)
         if label is not None:
             for tensor in targets:
