@@ -46,6 +46,10 @@ from torch._subclasses.fake_tensor import (
     unset_fake_temporarily,
 )
 
+# The base class of dispatch modes (the write ledger's mode): documented by torch, but defined in a private module.
+# There since 1.13; checked on 2.13.
+from torch.utils._python_dispatch import TorchDispatchMode
+
 # Leaving every dispatch mode of this thread for a block (a generator state is a real tensor, also inside a fake
 # mode): no public API. Checked on 2.8 to 2.15.
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
@@ -61,6 +65,7 @@ __all__ = [
     "FakeTensorConverter",
     "FakeTensorMode",
     "OpOverload",
+    "TorchDispatchMode",
     "TreeSpec",
     "UnsupportedFakeTensorException",
     "UnsupportedOperatorException",
@@ -347,6 +352,12 @@ TABLE_NAMES = frozenset({"_parameters", BUFFER_TABLE, "_modules"})
 HOOK_TABLE_NAMES = frozenset(
     name for name, value in vars(nn.Module()).items() if "hooks" in name and isinstance(value, dict)
 )
+
+
+#: The method every conversion of a module runs through (``to``, ``to_empty``, ``half``, ``cuda``...), each module's
+#: calling its children's: torch offers no hook around a conversion. The write ledger wraps it while it watches, to
+#: note the ties a module has before a conversion. Checked on 2.13.
+MODULE_CONVERSION = "_apply"
 
 
 def module_initialized(module: nn.Module) -> bool:

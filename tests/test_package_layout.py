@@ -1,6 +1,7 @@
-"""The package's shape: the attribute core, the two engines (fake mode in ``modattrs/_fake``, deferred init in
-``modattrs/_deferred``) behind their public faces (``modattrs.fake``, ``modattrs.deferred``), the command line
-(``modattrs/_cli``); imports run one way, from the faces down to the core, and private torch names stay in one module.
+"""The package's shape: the attribute core, the three engines (fake mode in ``modattrs/_fake``, deferred init in
+``modattrs/_deferred``, the write ledger in ``modattrs/_ledger``) behind their public faces (``modattrs.fake``,
+``modattrs.deferred``, ``modattrs.ledger``), the command line (``modattrs/_cli``); imports run one way, from the faces
+down to the core, and private torch names stay in one module.
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ def test_no_module_of_the_package_is_part_of_an_import_cycle() -> None:
 LAYERS: list[tuple[str, set[str]]] = [
     ("the command line", {"modattrs._cli", "modattrs.__main__", "modattrs.default_model"}),
     ("the package's face", {"modattrs"}),
-    ("the public faces of the engines", {"modattrs.fake", "modattrs.deferred"}),
+    ("the public faces of the engines", {"modattrs.fake", "modattrs.deferred", "modattrs.ledger"}),
     ("what modattrs changes in torch", {"modattrs._torch_changes"}),
+    ("the write ledger's engine", {"modattrs._ledger"}),
     ("deferred init's engine", {"modattrs._deferred"}),
     ("fake mode's engine", {"modattrs._fake"}),
     ("saving and loading", {"modattrs._serialization", "modattrs._checkpoint"}),
@@ -103,8 +105,9 @@ def test_every_module_imports_only_its_own_layer_and_those_below_it() -> None:
     assert not upward, "\n".join(sorted(upward))
 
 
-def test_the_attribute_core_imports_nothing_from_either_engine() -> None:
-    engines = ("modattrs._fake", "modattrs._deferred", "modattrs.fake", "modattrs.deferred", "modattrs._torch_changes")
+def test_the_attribute_core_imports_nothing_from_any_engine() -> None:
+    engines = ("modattrs._fake", "modattrs._deferred", "modattrs._ledger", "modattrs.fake", "modattrs.deferred")
+    engines += ("modattrs.ledger", "modattrs._torch_changes")
     core = {"modattrs.virtual", "modattrs.shaped", "modattrs._attribute", "modattrs._cache", "modattrs._serialization"}
     crossing = [
         f"{module} imports {target}"
@@ -132,8 +135,23 @@ def test_the_readme_tree_lists_every_module_of_the_package() -> None:
 
 def test_a_newcomer_sees_the_architecture_in_the_top_level_listing() -> None:
     top = sorted(path.name for path in PACKAGE.iterdir() if path.suffix == ".py" or (path / "__init__.py").exists())
-    assert len(top) <= 20, top
-    assert {"_fake", "_deferred", "_cli", "fake.py", "deferred.py", "virtual.py", "shaped.py"} <= set(top)
+    assert len(top) <= 22, top  # each engine adds two: its face and its package
+    engines = {"_fake", "_deferred", "_ledger", "fake.py", "deferred.py", "ledger.py"}
+    assert engines | {"_cli", "virtual.py", "shaped.py"} <= set(top)
+
+
+def test_the_ledger_stands_alone_behind_its_face() -> None:
+    # The ledger watches flows that use fake mode or deferred init (or neither), and depends on neither to do so;
+    # only its face reaches its engine.
+    others = ("modattrs._fake", "modattrs._deferred", "modattrs.fake", "modattrs.deferred", "modattrs._torch_changes")
+    crossing = [
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        for target in targets
+        if (module.startswith("modattrs._ledger") and target.startswith(others))
+        or (target.startswith("modattrs._ledger") and not module.startswith(("modattrs._ledger", "modattrs.ledger")))
+    ]
+    assert not crossing, "\n".join(sorted(crossing))
 
 
 # --- private torch names ---------------------------------------------------------------------------------------------
@@ -305,7 +323,7 @@ def test_the_compiled_hot_path_names_no_private_torch_name() -> None:
 
 # --- public names ----------------------------------------------------------------------------------------------------
 
-PUBLIC_MODULES = ("modattrs", "modattrs.fake", "modattrs.deferred")
+PUBLIC_MODULES = ("modattrs", "modattrs.fake", "modattrs.deferred", "modattrs.ledger")
 
 
 def public_objects() -> list[tuple[str, object]]:
@@ -332,7 +350,9 @@ def test_public_names_say_a_public_module_they_can_be_imported_from() -> None:
         if any(part.startswith("_") for part in module.split(".")) or named is not value:
             wrong.append(f"{path}: __module__ is {module!r}")
     assert not wrong, "\n".join(wrong)
-    assert {path for path, _ in public_objects()} >= {"modattrs.deferred.DeferredInitError", "modattrs.fake.GPU"}
+    assert {path for path, _ in public_objects()} >= {
+        "modattrs.deferred.DeferredInitError", "modattrs.fake.GPU", "modattrs.ledger.LedgerError"
+    }  # fmt: skip
 
 
 def test_the_command_line_reaches_the_engines_only_through_their_packages_faces() -> None:
@@ -341,6 +361,6 @@ def test_the_command_line_reaches_the_engines_only_through_their_packages_faces(
         for module, targets in import_graph().items()
         if module.startswith("modattrs._cli")
         for target in targets
-        if target.startswith(("modattrs._fake.", "modattrs._deferred."))
+        if target.startswith(("modattrs._fake.", "modattrs._deferred.", "modattrs._ledger"))
     ]
     assert not engine_modules, "\n".join(engine_modules)

@@ -1,4 +1,5 @@
-"""``python -m modattrs inspect``: build a model in fake mode and report what it would take, without allocating it."""
+"""``python -m modattrs inspect``: build a model in fake mode and report what it would take, without allocating it.
+``python -m modattrs audit``: run a flow under the write ledger and report what wrote each tensor's bytes."""
 
 from __future__ import annotations
 
@@ -67,6 +68,13 @@ class Report:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         arguments = _parser().parse_args(argv)
+    except UsageError as error:
+        command = "audit" if argv is not None and list(argv)[:1] == ["audit"] else "inspect"
+        print(f"modattrs {command}: error: {error}", file=sys.stderr)
+        return 2
+    if arguments.command == "audit":
+        return _audit(arguments.target, arguments.kwargs, arguments.format)
+    try:
         target, kwargs = arguments.target, arguments.kwargs
         if _is_keyword(target):  # no target, only keyword arguments for the default model
             target, kwargs = DEFAULT_TARGET, [target, *kwargs]
@@ -77,11 +85,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"modattrs inspect: error: {error}", file=sys.stderr)
         return 2
     output = json.dumps(_as_json(report), indent=2) if arguments.format == "json" else _as_text(report, arguments.depth)
+    return 0 if _printed(output) else 1
+
+
+def _printed(output: str) -> bool:
     try:
         print(output)
         sys.stdout.flush()
     except BrokenPipeError:  # `... | head`: the reader left; say nothing more (the way the Python docs advise)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return False
+    return True
+
+
+def _audit(target: str, kwargs: Sequence[str], output_format: str) -> int:
+    """Run ``target(**kwargs)`` under the write ledger and print its report: exit 0 when the strict check passes, 1
+    when it fails (bytes unwritten, computed from unwritten bytes, overwritten after loading, a tie lost), 2 when the
+    flow cannot run."""
+    from modattrs.ledger import LedgerError, watch
+
+    try:
+        flow = _load(target)
+        keywords = _keywords(kwargs)
+        try:
+            with watch() as ledger:
+                model = flow(**keywords)
+        except (Exception, SystemExit) as error:  # whatever the flow raises: its message, no traceback
+            raise UsageError(f"{target}({_show(keywords)}) failed: {type(error).__name__}: {error}") from None
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"{target} returned {type(model).__name__}, not an nn.Module")
+    except UsageError as error:
+        print(f"modattrs audit: error: {error}", file=sys.stderr)
+        return 2
+    report = ledger.report(model)
+    if not _printed(report.to_json(indent=2) if output_format == "json" else report.to_text()):
+        return 1
+    try:
+        report.check()
+    except LedgerError as error:
+        print(error, file=sys.stderr)
         return 1
     return 0
 
@@ -119,6 +161,17 @@ def _parser() -> _Parser:
     inspect.add_argument("--dtype", default="float32", help="floating-point dtype of the model (default: float32)")
     inspect.add_argument("--depth", type=int, default=2, help="depth of the module tree to show (default: 2)")
     inspect.add_argument("--format", choices=("text", "json"), default="text", help="output format")
+    audit = commands.add_parser(
+        "audit",
+        help="run a flow under the write ledger and report what wrote each parameter's and buffer's bytes",
+        description="Run a flow (a callable returning an nn.Module: build, to_empty, initialize, load...) under "
+        "modattrs' write ledger, print what wrote each parameter and buffer, and exit 1 if any holds bytes nothing "
+        "wrote, was computed from such bytes, lost loaded values to a later write, or lost a tie (the strict "
+        "check's problems, printed to stderr); exit 2 if the flow cannot run.",
+    )
+    audit.add_argument("target", help="package.module:callable returning an nn.Module")
+    audit.add_argument("kwargs", nargs="*", metavar="key=value", help="keyword arguments, as Python literals")
+    audit.add_argument("--format", choices=("text", "json"), default="text", help="output format")
     return parser
 
 

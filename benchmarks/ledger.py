@@ -1,0 +1,116 @@
+"""The write ledger's cost: the same flow with and without ``modattrs.ledger.watch()``, alternately, in one process.
+
+Run with ``python benchmarks/ledger.py`` (needs ``transformers``; ``--quick`` for one run of each on smaller models).
+Prints, as ratios against the flow without the ledger (target: at most 1.2x):
+
+* a Llama of about 300M parameters built by ``from_config`` on the meta device, ``to_empty``, and initialized by
+  transformers' own ``init_weights()``;
+* ``from_pretrained`` of a Llama of about 100M parameters saved in a temporary directory (safetensors);
+
+and the memory the ledger keeps for the first: intervals per storage, against the model's bytes (target: 1%).
+Times are the process's CPU time (``time.process_time``: transformers loads in worker threads), on one torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.utils import logging
+
+from modattrs.ledger import Ledger, watch
+
+
+def llama(hidden: int, layers: int, vocab: int = 32000) -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        vocab_size=vocab,
+    )
+
+
+def meta_init_flow(config: LlamaConfig) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = LlamaForCausalLM._from_config(config)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model
+
+
+def seconds(flow: Callable[[], torch.nn.Module], ledger: bool) -> tuple[float, torch.nn.Module, Ledger | None]:
+    gc.collect()
+    start = time.process_time()
+    if ledger:
+        with watch() as watching:
+            model = flow()
+        return time.process_time() - start, model, watching
+    model = flow()
+    return time.process_time() - start, model, None
+
+
+def ratio(label: str, flow: Callable[[], torch.nn.Module], repeat: int) -> Ledger | None:
+    without, within = [], []
+    last: Ledger | None = None
+    for _ in range(repeat):
+        taken, model, _ = seconds(flow, ledger=False)
+        without.append(taken)
+        del model
+        taken, model, last = seconds(flow, ledger=True)
+        within.append(taken)
+        del model
+    plain, watched = statistics.median(without), statistics.median(within)
+    verdict = "within target" if watched / plain <= 1.2 else "ABOVE target 1.2x"
+    print(f"{label:<56} {watched:7.3f} s vs {plain:7.3f} s = {watched / plain:5.2f}x  {verdict}")
+    return last
+
+
+def ledger_memory(config: LlamaConfig) -> None:
+    with watch() as ledger:
+        model = meta_init_flow(config)
+    table = ledger._session.table  # the benchmark looks inside: the intervals it keeps
+    records = [table.record_of(tensor.untyped_storage()) for tensor in [*model.parameters(), *model.buffers()]]
+    intervals = sum(len(record.writes) for record in records if record is not None)
+    model_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    # an interval is a start, an end and a label reference in three lists (8 bytes each), plus a record per storage
+    kept = intervals * 3 * 8 + len(table) * 200
+    print(
+        f"ledger memory for the model's {len(records)} tensors: {intervals} intervals in {len(table)} storages, "
+        f"about {kept / 2**10:.1f} KiB for {model_bytes / 2**20:.0f} MiB of model ({kept / model_bytes:.2e} of it)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one run of each, on smaller models")
+    quick = parser.parse_args().quick
+    torch.set_num_threads(1)
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    repeat = 1 if quick else 3
+    big = llama(512, 8) if quick else llama(1024, 20)
+    small = llama(384, 4) if quick else llama(640, 8)
+    count = sum(p.numel() for p in LlamaForCausalLM._from_config(big).parameters()) if quick else 322_000_000
+    ratio(f"meta -> to_empty -> init_weights, Llama {count / 1e6:.0f}M", lambda: meta_init_flow(big), repeat)
+    with tempfile.TemporaryDirectory() as directory:
+        LlamaForCausalLM._from_config(small).save_pretrained(directory)
+        saved = sum(p.numel() for p in LlamaForCausalLM._from_config(small).parameters())
+        ratio(
+            f"from_pretrained of a saved Llama {saved / 1e6:.0f}M",
+            lambda: LlamaForCausalLM.from_pretrained(directory),
+            repeat,
+        )
+    ledger_memory(big)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""One watch of a ledger: its storage table, its dispatch mode, the scoped wraps it takes part in, and the ties of the
+modules it saw converted."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from modattrs._ledger import sources
+from modattrs._ledger.intervals import byte_runs
+from modattrs._ledger.provenance import LOADED, Where, Write
+from modattrs._ledger.storages import StorageTable
+from modattrs._ledger.tracking import LedgerMode
+from modattrs._torch_private import FakeTensor, imported_dtensor_type
+from modattrs._torch_private import dtensor_local as _dtensor_local
+
+__all__ = ["Session", "TiesBefore", "local_data", "tie_groups"]
+
+
+@dataclass(frozen=True)
+class TiesBefore:
+    """The ties a module had when a conversion of it began: names relative to the module, grouped."""
+
+    module: weakref.ref[nn.Module]
+    groups: tuple[tuple[str, ...], ...]
+    op: str
+    where: Where | None
+
+
+def local_data(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor holding ``tensor``'s bytes here (a DTensor's local tensor), None if it holds none (fake, meta)."""
+    dtensor = imported_dtensor_type()
+    if dtensor is not None and isinstance(tensor, dtensor):
+        tensor = _dtensor_local(tensor)
+    if tensor.is_meta or isinstance(tensor, FakeTensor) or tensor.layout != torch.strided:
+        return None
+    try:
+        tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass with no memory of its own
+        return None
+    return tensor
+
+
+def tie_groups(module: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """The names of ``module``'s parameters and buffers that are one tensor object, for tensors with several names."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]:
+        names.setdefault(id(tensor), []).append(name)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
+
+
+def _rank_of(group: object) -> int | None:
+    """This process's rank in a c10d operation's process group (the dispatcher hands it over boxed)."""
+    try:
+        import torch.distributed as dist
+
+        unboxed = dist.ProcessGroup.unbox(group) if isinstance(group, torch.ScriptObject) else group
+        rank = getattr(unboxed, "rank", None)
+        return int(rank()) if callable(rank) else None
+    except Exception:  # a group object this torch does not let Python ask: every rank counts as receiving
+        return None
+
+
+class Session:
+    """What one watch keeps; a sink of the scoped wraps (Note [Scoped wraps of a watch])."""
+
+    def __init__(self) -> None:
+        self.table = StorageTable()
+        self.mode = LedgerMode(self.table, _rank_of)
+        self.ties: list[TiesBefore] = []
+        self._lock = threading.Lock()
+        self.active = False
+
+    def start(self) -> None:
+        sources.start(self)
+        try:
+            self.mode.__enter__()  # type: ignore[no-untyped-call]
+        except BaseException:
+            sources.stop(self)
+            raise
+        self.active = True
+
+    def stop(self) -> None:
+        try:
+            self.mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        finally:
+            self.active = False
+            sources.stop(self)
+            self.table.sweep()
+
+    def loaded(self, tensor: torch.Tensor, key: str, op: str, where: Where | None) -> None:
+        local = local_data(tensor)
+        if local is None:
+            return
+        label = Write(LOADED, op, where, keys=(key,))
+        with self._lock:
+            record = self.table.record_of(local.untyped_storage())
+            runs = byte_runs(local)
+            if record is None or record.allocated is None:
+                self.table.write(local, runs, label)
+                return
+            # bytes nothing wrote stay unwritten: a checkpoint made of garbage is garbage
+            for piece in list(self.table.pieces(local, runs)):
+                if piece.write is not None:
+                    record.writes.assign(piece.start, piece.end, label)
+
+    def converting(self, module: nn.Module, op: str, where: Where | None) -> None:
+        groups = tie_groups(module)
+        if groups:
+            self.ties.append(TiesBefore(weakref.ref(module), groups, op, where))
