@@ -24,8 +24,9 @@ what decides the values counts, so a rank-dependent buffer that is never sent, o
 nothing. The digest errs one way: two records with equal digests give equal values (but for draws from another
 device's generator, which replays draw from as it is when they run: for those the CPU generator's state stands in
 for how the ranks were seeded, as ``torch.manual_seed`` seeds every device; ``torch.cuda.manual_seed`` alone by
-rank goes unseen); unequal ones are refused even if the values would happen to agree. All ranks gather every digest and decide alike, so that all of them raise, not some while others wait in the
-next collective. torch's fake process group sends nothing: there each rank plays alone and nothing is compared.
+rank goes unseen); unequal ones are refused even if the values would happen to agree. All ranks gather every
+digest and decide alike, so that all of them raise, not some while others wait in the next collective. torch's
+fake process group sends nothing: there each rank plays alone and nothing is compared.
 """
 
 from __future__ import annotations
