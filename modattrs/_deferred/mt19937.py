@@ -5,9 +5,10 @@ generator would have after drawing ``k`` 32-bit outputs: ``g.set_state(jumped_st
 what ``g.set_state(s)``, drawing ``k`` outputs, then drawing gives. For a state torch produced, the result is
 byte for byte what ``get_state()`` returns after those draws.
 
-The state (5,056 bytes, native byte order): the initial seed (uint64), ``left`` (int32), ``seeded`` (int32),
-``next`` (uint64), the 624 words of the engine's array (each a uint64 holding 32 bits), then the Box-Muller caches
-(``normal_x``, ``normal_y``, ``normal_rho``, ``normal_is_valid``, the float sample and its flag). torch's engine
+The state (5,056 bytes, native byte order, in torch's layout, which ``_torch_private`` names): the initial seed
+(uint64), ``left`` (int32), ``seeded`` (int32), ``next`` (uint64), the 624 words of the engine's array (each a uint64
+holding 32 bits), then the Box-Muller caches (``normal_x``, ``normal_y``, ``normal_rho``, ``normal_is_valid``, the
+float sample and its flag). torch's engine
 (``aten/src/ATen/core/MT19937RNGEngine.h``) draws an output by decrementing ``left``; when that makes it 0 it
 regenerates the whole array (a "twist") and sets ``left = 624, next = 0``; it then tempers and returns
 ``array[next++]``. So right after ``manual_seed`` the state is ``left = 1, next = 0`` and the array is still the
@@ -95,29 +96,35 @@ jumps: ``DRAWING_CROSSOVER`` is 0; with the torch path alone they meet at about 
 ``DRAWING_CROSSOVER`` is that. A jump to a far distance costs what drawing 15,000 (repeated) to 80,000 (fresh, up
 to ``2^32``) outputs costs with carry-less multiplication, 140,000 to 370,000 without: ``FAR_JUMP_COST`` says so.
 
-The torch path's FFTs run on torch's intra-op threads (MKL). With more busy threads than cores each FFT can wait for
-a scheduler time slice: with 2 threads on this machine under a load of about 3, jumps of 3 to 8 million outputs took
-45 to 110 ms instead of 11, so that path runs on one thread (``_one_thread``). Processes that share a machine (one
-per rank) are best run with fewer threads anyway. The C routines use no torch threads and release the GIL: jumps
-in several threads run at once.
+The torch path's FFTs run on torch's intra-op threads (MKL), as many as the process gives torch: a jump never changes
+that count, which is process-wide (another thread's matmul would run on the count a jump set). With more busy
+threads than cores each FFT can wait for a scheduler time slice: with 2 threads on this machine under a load of
+about 3, jumps of 3 to 8 million outputs took 45 to 110 ms instead of 11. Processes that share a machine (one per
+rank) are best run with fewer threads anyway (``torch.set_num_threads``, the caller's choice). The results do not
+depend on the count. The C routines use no torch threads and release the GIL: jumps in several threads run at
+once.
 
 Only torch and the standard library are used (no numpy).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import operator
-import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from modattrs._compiled import speedups as _speedups
+from modattrs._torch_private import (
+    CPU_STATE_ARRAY,
+    CPU_STATE_BYTES,
+    CPU_STATE_HEADER,
+    CPU_STATE_LEFT,
+    CPU_STATE_NEXT,
+)
 
 __all__ = [
     "DRAWING_CROSSOVER",
@@ -138,12 +145,11 @@ _CARRY_LESS = _speedups is not None and _speedups.mt19937_methods()["twisted"][-
 #: multiplication, 0.3 to 0.8 ms on one without; 5 to 12 ms with the torch path.
 FAR_JUMP_COST = 50_000 if _CARRY_LESS else 200_000 if _speedups is not None else 5_000_000
 
-_STATE_BYTES = 5056
-_HEADER = struct.Struct("=QiiQ")  # initial seed, left, seeded, next
-_LEFT, _LEFT_AT = struct.Struct("=i"), 8
-_NEXT, _NEXT_AT = struct.Struct("=Q"), 16
-_ARRAY_START = _HEADER.size
-_ARRAY_END = _ARRAY_START + 624 * 8
+_STATE_BYTES = CPU_STATE_BYTES
+_HEADER = CPU_STATE_HEADER  # initial seed, left, seeded, next
+_LEFT, _LEFT_AT = CPU_STATE_LEFT
+_NEXT, _NEXT_AT = CPU_STATE_NEXT
+_ARRAY_START, _ARRAY_END = CPU_STATE_ARRAY.start, CPU_STATE_ARRAY.stop
 
 _N = 624  # words in the array
 _M = 397  # the recurrence's middle lag
@@ -318,34 +324,6 @@ def _advance_by_polynomial(parsed: _Parsed) -> torch.Tensor:
     return _result(parsed, _N - last, last + 1)
 
 
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """torch's intra-op thread count at 1 while jumps run, then as it was. The jump's FFTs are small (20,000 to
-    40,000 points): spread over threads they wait on each other, 4 to 6 times slower with 2 threads on a machine
-    that has other work (12 ms against 47 to 125 ms for 2^24 outputs, measured here). The count is process-wide,
-    so torch code running in other threads during those milliseconds runs on one thread too (its results are the
-    same), and jumps in several threads at once share one saved count: the last to finish puts it back."""
-    global _jumping, _threads_before
-    with _threads_lock:
-        if _jumping == 0:
-            _threads_before = torch.get_num_threads()
-            if _threads_before != 1:
-                torch.set_num_threads(1)
-        _jumping += 1
-    try:
-        yield
-    finally:
-        with _threads_lock:
-            _jumping -= 1
-            if _jumping == 0 and _threads_before != 1:
-                torch.set_num_threads(_threads_before)
-
-
-_threads_lock = threading.Lock()
-_jumping = 0  # jumps running, in any thread
-_threads_before = 1  # the thread count when the first of them began
-
-
 def _twist(state: bytearray, blocks: int) -> None:
     """Replace the array in ``state`` by the array after ``blocks`` (>= 1) twists: ``w[624 blocks .. + 623]``."""
     exponent = (_N * blocks - 1) % _PERIOD
@@ -355,11 +333,10 @@ def _twist(state: bytearray, blocks: int) -> None:
         speedups.mt19937_twisted(array, _coefficients(exponent))
         return
     words = _array(state) & _WORD
-    with _one_thread():
-        if exponent < _DEGREE:  # x^M mod p is x^M itself: the words are the stream's, from M + 1 on
-            twisted = _untempered(words, exponent + 1 + _N)[exponent + 1 :]
-        else:
-            twisted = _correlate(_unpacked(_coefficients(exponent)), _untempered(words, _STREAM))
+    if exponent < _DEGREE:  # x^M mod p is x^M itself: the words are the stream's, from M + 1 on
+        twisted = _untempered(words, exponent + 1 + _N)[exponent + 1 :]
+    else:
+        twisted = _correlate(_unpacked(_coefficients(exponent)), _untempered(words, _STREAM))
     _array(state).copy_(twisted)
 
 
@@ -423,8 +400,7 @@ def _power_of_x_packed(exponent: int) -> bytes:
         big_endian = exponent.to_bytes((exponent.bit_length() + 7) // 8, "big")
         packed: bytes = speedups.mt19937_power_of_x(big_endian, _P_PACKED)
         return packed
-    with _one_thread():
-        return _packed(_power_of_x(exponent))
+    return _packed(_power_of_x(exponent))
 
 
 def _packed(coefficients: torch.Tensor) -> bytes:
