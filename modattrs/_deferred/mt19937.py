@@ -51,7 +51,9 @@ Each step has two implementations with the same results, bit for bit: C routines
   ``c`` reversed and that bit plane of the stream, so the 32 planes are multiplied by ``c`` carry-less (PCLMULQDQ:
   64 x 64 bits an instruction, 2 or 4 at once with AVX2 or AVX-512 and VPCLMULQDQ). Without carry-less
   multiplication (other CPUs, other compilers), and for the few terms of a short jump's power, the rows
-  ``w[j + 1 ..]`` with ``c_j = 1`` are XORed 24 output words at a time. The extension picks per CPU at run time.
+  ``w[j + 1 ..]`` with ``c_j = 1`` are XORed 24 output words at a time. The extension picks per CPU at run time,
+  and each method but the portable ones is checked against them at its first use in a process (Note [Each jump
+  method checked where it runs]): one that disagrees is not used again, with a warning.
 - torch: the sums per bit of the words, by FFT (for ``M < 19937`` the words are read off the stream). ``x^M mod p``
   bit by bit of ``M`` by the transpose of Bostan and Mori's halving step (``[x^N] P/Q = [x^(N//2)]
   (P Q)_(N mod 2) / Q`` over GF(2), where ``Q(x) Q(-x) = Q(x^2)``): one FFT correlation of length 20,000 per bit of
@@ -112,6 +114,7 @@ from __future__ import annotations
 import functools
 import operator
 import threading
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -330,7 +333,8 @@ def _twist(state: bytearray, blocks: int) -> None:
     speedups = _speedups
     if speedups is not None:  # the same sums in C, from the same bits: the same words
         array = memoryview(state)[_ARRAY_START:_ARRAY_END]
-        speedups.mt19937_twisted(array, _coefficients(exponent))
+        coefficients = _coefficients(exponent)
+        speedups.mt19937_twisted(array, coefficients, _twist_method(speedups, coefficients))
         return
     words = _array(state) & _WORD
     if exponent < _DEGREE:  # x^M mod p is x^M itself: the words are the stream's, from M + 1 on
@@ -398,9 +402,109 @@ def _power_of_x_packed(exponent: int) -> bytes:
     speedups = _speedups
     if speedups is not None:
         big_endian = exponent.to_bytes((exponent.bit_length() + 7) // 8, "big")
-        packed: bytes = speedups.mt19937_power_of_x(big_endian, _P_PACKED)
+        method = _checked_method(speedups, _POWER)
+        packed: bytes = speedups.mt19937_power_of_x(big_endian, _P_PACKED, None if method.best else method.name)
         return packed
     return _packed(_power_of_x(exponent))
+
+
+# --- the C routines' methods, each checked where it runs --------------------------------------------------------
+
+# Note [Each jump method checked where it runs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The C routines have several methods for the same bytes, chosen by the CPU's features at run time (AVX2, AVX-512,
+# carry-less multiplication): a CI host tests only those its CPU has, and a wrong one on a user's CPU would give
+# other weights, silently. So the first time a process is about to use a method other than the portable one
+# (``squaring`` for the power, ``words`` for the sums), that method computes a far jump's power (an exponent of 160
+# bits: every squaring past the top 14 bits goes through the vector loops) and the sums over a dense power (about
+# 10,000 terms, from a seeded generator's words), and the portable method computes the same; a method that disagrees
+# is not used again in the process, with a warning, and the next one down is checked the same way. The checks cost
+# about 5 ms, once per process; a disabled method costs speed, never a different tensor.
+
+_POWER, _TWISTED = "power_of_x", "twisted"
+_PORTABLE = {_POWER: "squaring", _TWISTED: "words"}
+#: Below how many terms of ``x^M mod p`` the C routine sums rows of words rather than use carry-less multiplication,
+#: per method (``mt_words_below`` in ``_speedups.c``): used when a checked method is not the routine's own choice.
+_WORDS_BELOW = {"words": 0, "clmul128": 2000, "clmul256": 1000, "clmul512": 500}
+_CHECK_EXPONENT = (1 << 159) + 0x9E3779B97F4A7C15F39CC0605CEDC834  # 160 bits, ones and zeros mixed
+_CHECK_SEED = 20_251_129
+
+
+@dataclass(frozen=True)
+class _Method:
+    name: str
+    best: bool  # the routine's own choice when given no method: it may then be passed None
+
+
+# Keyed by the routines' module itself (tests put stand-ins in its place), held: an id could be reused.
+_chosen: dict[tuple[object, str], _Method] = {}  # (routines, function) -> the method to use
+_verdicts: dict[tuple[object, str, str], bool] = {}  # (routines, function, method) -> agrees
+_checking = threading.Lock()
+
+
+def _checked_method(speedups: object, function: str) -> _Method:
+    """The best method of the C routine ``function`` that agrees with the portable one, each checked at its first
+    use (see Note [Each jump method checked where it runs])."""
+    key = (speedups, function)
+    chosen = _chosen.get(key)
+    if chosen is not None:
+        return chosen
+    with _checking:
+        methods: tuple[str, ...] = speedups.mt19937_methods()[function]  # type: ignore[attr-defined]
+        for method in reversed(methods):
+            if method == _PORTABLE[function] or _agrees(speedups, function, method):
+                chosen = _chosen[key] = _Method(method, method == methods[-1])
+                return chosen
+    raise AssertionError(f"mt19937_{function} lists no portable method")  # the C file always has it
+
+
+def _twist_method(speedups: object, coefficients: bytes) -> str | None:
+    """The method to pass ``mt19937_twisted`` for ``coefficients``: None (its own choice) while its best method is
+    trusted, else the best checked one, or ``words`` for a power of few terms, as the routine chooses."""
+    method = _checked_method(speedups, _TWISTED)
+    if method.best:
+        return None
+    if int.from_bytes(coefficients, "little").bit_count() < _WORDS_BELOW.get(method.name, 0):
+        return _PORTABLE[_TWISTED]
+    return method.name
+
+
+def _agrees(speedups: object, function: str, method: str) -> bool:
+    """Whether ``method`` of the C routine ``function`` gives the portable method's bytes on a far jump; warns,
+    once per process and method, when it does not. Call with ``_checking`` held."""
+    key = (speedups, function, method)
+    verdict = _verdicts.get(key)
+    if verdict is None:
+        portable = _PORTABLE[function]
+        exponent = _CHECK_EXPONENT.to_bytes(20, "big")
+        power_of_x = speedups.mt19937_power_of_x  # type: ignore[attr-defined]
+        if function == _POWER:
+            verdict = power_of_x(exponent, _P_PACKED, method) == power_of_x(exponent, _P_PACKED, portable)
+        else:
+            coefficients = power_of_x(exponent, _P_PACKED, _PORTABLE[_POWER])
+            state = torch.Generator(device="cpu").manual_seed(_CHECK_SEED).get_state()
+            arrays = [bytearray(bytes(state[_ARRAY_START:_ARRAY_END].tolist())) for _ in range(2)]
+            speedups.mt19937_twisted(memoryview(arrays[0]), coefficients, method)  # type: ignore[attr-defined]
+            speedups.mt19937_twisted(memoryview(arrays[1]), coefficients, portable)  # type: ignore[attr-defined]
+            verdict = arrays[0] == arrays[1]
+        _verdicts[key] = verdict
+        if not verdict:
+            warnings.warn(
+                f"modattrs: the C routine mt19937_{function} gives other bytes with its method {method!r} than with "
+                f"the portable {portable!r} on this CPU; {method!r} is not used again in this process (jumps of the "
+                "generator take a slower method, with the same results). Please report it with this CPU's model",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return verdict
+
+
+def forget_checked_methods() -> None:
+    """Forget which methods of the C routines were checked: the next jumps check theirs again, as a fresh process's
+    would (for tests)."""
+    with _checking:
+        _chosen.clear()
+        _verdicts.clear()
 
 
 def _packed(coefficients: torch.Tensor) -> bytes:
