@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from modattrs._deferred import generator, mt19937
-from modattrs.deferred import DeferredInitError, deferred_init, materialize_module, register_opaque_init
+from modattrs.deferred import DeferredInitError, deferred_init, is_deferred, materialize_module, register_opaque_init
 
 
 @contextlib.contextmanager
@@ -183,6 +183,7 @@ def integer_promotions() -> dict[str, torch.Tensor]:
         "arange_float": torch.arange(0.1, 2.0, 0.3),
         "arange_int": torch.arange(5),
         "linspace": torch.linspace(0, 1, 7),
+        "linspace_of_tensors": torch.linspace(torch.tensor(0.25), torch.tensor(1.0), 7),
         "eye": torch.eye(3),
         "rand": torch.rand(20),
         "randn": torch.randn(33),
@@ -222,16 +223,31 @@ def test_operations_that_read_the_default_dtype_replay_eagers_bits_under_another
     assert expected.zeros.dtype == dtype  # the default was read
 
 
-def test_an_operation_reading_the_default_dtype_in_a_way_that_cannot_be_passed_is_refused_naming_it() -> None:
-    def build() -> nn.Module:
-        module = nn.Module()
-        module.register_buffer("rotated", torch.arange(6) * 1j)  # the default complex dtype: complex64 here
-        return module
+def rotated() -> nn.Module:
+    module = nn.Module()
+    module.register_buffer("made", torch.arange(6) * 1j)  # the default complex dtype: complex64 under bfloat16
+    return module
 
+
+def sines_into_a_given_tensor() -> nn.Module:
+    module = nn.Module()
+    module.register_buffer("made", torch.sin(torch.arange(6), out=torch.empty(6, dtype=torch.float64)))
+    return module
+
+
+@pytest.mark.parametrize(
+    ("build", "name"), [(rotated, r"aten\.mul\.Tensor"), (sines_into_a_given_tensor, r"aten\.sin\.out")]
+)
+def test_an_operation_reading_the_default_dtype_in_a_way_that_cannot_be_passed_is_refused_naming_it(
+    build: Callable[[], nn.Module], name: str
+) -> None:
+    """The operations the replay cannot hand the default dtype: integers promoted by a complex number under a
+    bfloat16 default (to complex64), and integers computed in the default dtype into an ``out=`` tensor."""
     expected, model = eager_and_deferred(build, torch.bfloat16)
-    with pytest.raises(DeferredInitError, match=r"aten\.mul\.Tensor .*default dtype"):
+    with pytest.raises(DeferredInitError, match=name + r" computes in torch's default dtype"):
         materialize_module(model)
-    assert model.rotated.dtype == torch.complex64  # still deferred
+    assert model.made.dtype == expected.made.dtype
+    assert is_deferred(model)
     with default_dtype(torch.bfloat16):  # under the default it was recorded with, it replays
         materialize_module(model)
     assert_same_bits(model, expected)

@@ -308,16 +308,20 @@ def _default_dtype_refused(op: Op) -> DeferredInitError:
 # torch's default dtype is one setting for the whole process: a replay that set it around the operations recorded
 # under another would change what every other thread makes meanwhile. So each operation is given what it read of
 # it when recorded (``recorder._pass_default_dtype`` works out which, reading torch's schemas and tags):
-# - A factory whose ``dtype`` is None (``zeros``, ``randn``, ``full``, ``arange``, ``scalar_tensor``, ...) takes the
-#   default for floats; it is recorded with ``dtype=`` the dtype it made, which torch's factories treat alike.
+# - A factory whose ``dtype`` is None (``zeros``, ``randn``, ``full``, ``arange``, ``scalar_tensor``, ``linspace``
+#   of tensor bounds, ...) takes the default for floats; it is recorded with ``dtype=`` the dtype it made, which
+#   torch's factories treat alike.
 # - A pointwise operation whose tensors are all integers or booleans, promoted to the default dtype by a Python
 #   float (``counts * 1.1``, ``counts == 1.5``) or by a float operation (``counts / 7``, ``sin(counts)``): torch's
 #   iterator casts those tensors to the default dtype and computes there, keeping a Python number's own value
 #   (``original_scalar_value``). The replay casts them itself (``Op.promoted``), and then no operand asks for the
 #   default: the same casts, the same kernel, the same scalar, the same bits.
-# - What is neither (a pointwise ``int * 1j`` whose default complex dtype the cast cannot give, an opaque
-#   initializer, which is Python code) is marked ``Op.reads_default_dtype``: it runs under the default dtype it was
-#   recorded with and is refused under another, naming it. torch's own ``trunc_normal_`` helper makes every tensor
+# - What is neither is marked ``Op.reads_default_dtype``: it runs under the default dtype it was recorded with and
+#   is refused under another, naming it. That is a pointwise ``counts * 1j`` under a bfloat16 default (the default
+#   complex dtype, complex64, is not bfloat16's: a cast to bfloat16 first would round twice), integers computed into
+#   an ``out=`` tensor (``sin(counts, out=t)``: the out tensor does not take part in the promotion), any other
+#   operation that makes floats from integers only without a ``dtype`` (none is known), and an opaque initializer,
+#   which is Python code. torch's own ``trunc_normal_`` helper makes every tensor
 #   from its argument's dtype, so it is not marked.
 
 

@@ -72,6 +72,7 @@ from modattrs._torch_private import (
     forget_fakes,
     operator_arguments,
     optional_dtype_keyword,
+    overloads_of,
     tree_flatten,
     tree_unflatten,
     version_of,
@@ -818,17 +819,22 @@ def _pass_default_dtype(pending: _Pending, result: Any) -> tuple[tuple[int, ...]
     results = [leaf for leaf in _leaves(result) if isinstance(leaf, torch.Tensor)]
     tensors = [(slot.index, slot.dtype) for slot in pending.slots]
     tensors += [(constant.index, constant.tensor.dtype) for constant in pending.constant_slots]
+    if (not tensors or func in _TENSOR_BOUNDED_FACTORIES) and len(results) == 1 and optional_dtype_keyword(func):
+        _give_dtype(pending, results[0].dtype)
+        return (), False
     if not tensors:
-        if len(results) == 1 and optional_dtype_keyword(func):
-            _give_dtype(pending, results[0].dtype)
-            return (), False
         return (), any(_is_float(tensor.dtype) for tensor in results)
-    if any(_is_float(dtype) for _, dtype in tensors):
+    names = _leaf_names(func, pending.plain)
+    # An `out=` tensor takes what was computed: it has no part in the promotion (nor has it a dtype to pass).
+    outs = {slot.index for slot in pending.slots if slot.written and names is not None and names[slot.index] == "out"}
+    if any(_is_float(dtype) for index, dtype in tensors if index not in outs):
         return (), False  # promotion keeps the category of a float tensor, whatever the default
     floats_made = any(_is_float(tensor.dtype) for tensor in results)
     python_floats = any(type(value) in (float, complex) for value in leaves)
     if not floats_made and not python_floats:
         return (), False  # integers and booleans throughout
+    if outs:
+        return (), True
     if torch.Tag.pointwise not in func.tags or any(slot.written for slot in pending.slots):
         return (), floats_made
     complex_numbers = any(type(value) is complex for value in leaves) or any(t.dtype.is_complex for t in results)
@@ -836,7 +842,6 @@ def _pass_default_dtype(pending: _Pending, result: Any) -> tuple[tuple[int, ...]
         # A complex number promotes integers to the default complex dtype, complex64 under bfloat16: computed from
         # integers cast to bfloat16 first, they would be rounded twice.
         return (), True
-    names = _leaf_names(func, pending.plain)
     operands = tuple(index for index, _ in tensors if names is not None and names[index] not in _NOT_OPERANDS)
     if operands and _promotion_replayed(pending, operands, results):
         return tuple(sorted(operands)), False
@@ -845,6 +850,12 @@ def _pass_default_dtype(pending: _Pending, result: Any) -> tuple[tuple[int, ...]
     # (``masked_fill``): it read no default.
     return (), floats_made
 
+
+# Factories whose bounds are tensors (``linspace(start, end, steps)`` of 0-dim tensors): with ``dtype`` None they make
+# the default dtype, whatever the dtypes of those tensors.
+_TENSOR_BOUNDED_FACTORIES = frozenset(
+    func for func in overloads_of(torch.ops.aten.linspace, torch.ops.aten.logspace) if optional_dtype_keyword(func)
+)
 
 # Pointwise operations' tensor arguments that are not promoted with the others: where's condition, a mask.
 _NOT_OPERANDS = frozenset({"condition", "mask"})
