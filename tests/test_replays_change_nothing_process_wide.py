@@ -172,7 +172,7 @@ def test_another_thread_keeps_its_default_dtype_thread_count_and_values_while_a_
 def integer_promotions() -> dict[str, torch.Tensor]:
     """Each way an operation reads the default dtype: as ``deferred_init`` records it (factories and operations on
     the integer tensors that factories made)."""
-    counts = torch.arange(-7, 2000, 3)
+    counts = torch.arange(-7, 160_000, 37)  # past 2048 and 65504 (float16 rounds, overflows); no constant
     flags = counts % 2 == 0
     return {
         "zeros": torch.zeros(3),
@@ -199,6 +199,7 @@ def integer_promotions() -> dict[str, torch.Tensor]:
         "power_of": 1.01**counts,
         "clamped": counts.clamp(min=0.5),
         "equal": counts == 1.1,
+        "equal_rounded": counts == 2064.0,  # 2065 is 2064 in float16: compared in the default dtype
         "less": counts < 300.7,
         "flags_times": flags * 2.5,
         "where": torch.where(flags, counts, 0.1),
