@@ -306,6 +306,7 @@ def written_arguments(func: OpOverload) -> tuple[tuple[int, str], ...]:
     )
 
 
+@functools.cache  # asked of every factory recorded; a schema's arguments are made anew on each read
 def optional_dtype_keyword(func: OpOverload) -> bool:
     """Whether an aten operation's schema has a keyword-only ``dtype`` that may be None (a factory's ``ScalarType?
     dtype``, None meaning torch's default dtype): OpOverload has no public accessor for the schema. Checked on 2.8

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -813,6 +814,9 @@ def _pass_default_dtype(pending: _Pending, result: Any) -> tuple[tuple[int, ...]
     func = pending.func
     if not isinstance(func, OpOverload):  # an opaque initializer: Python code
         return (), not _reads_no_default_dtype(func)
+    for slot in pending.slots:
+        if not slot.written and (slot.dtype.is_floating_point or slot.dtype.is_complex):
+            return (), False  # most operations: a float tensor read, whose category promotion keeps (see below)
     leaves = pending.flat
     if any(isinstance(value, torch.dtype) for value in leaves):
         return (), False  # a dtype given: the operation's dtypes come from it and from its tensors
@@ -824,24 +828,26 @@ def _pass_default_dtype(pending: _Pending, result: Any) -> tuple[tuple[int, ...]
         return (), False
     if not tensors:
         return (), any(_is_float(tensor.dtype) for tensor in results)
-    names = _leaf_names(func, pending.plain)
+    written = any(slot.written for slot in pending.slots)
+    names = _leaf_names(func, pending.plain) if written else None
     # An `out=` tensor takes what was computed: it has no part in the promotion (nor has it a dtype to pass).
     outs = {slot.index for slot in pending.slots if slot.written and names is not None and names[slot.index] == "out"}
     if any(_is_float(dtype) for index, dtype in tensors if index not in outs):
         return (), False  # promotion keeps the category of a float tensor, whatever the default
     floats_made = any(_is_float(tensor.dtype) for tensor in results)
-    python_floats = any(type(value) in (float, complex) for value in leaves)
+    python_floats = _python_floats_in(leaves)
     if not floats_made and not python_floats:
         return (), False  # integers and booleans throughout
     if outs:
         return (), True
-    if torch.Tag.pointwise not in func.tags or any(slot.written for slot in pending.slots):
+    if torch.Tag.pointwise not in func.tags or written:
         return (), floats_made
     complex_numbers = any(type(value) is complex for value in leaves) or any(t.dtype.is_complex for t in results)
     if complex_numbers and torch.get_default_dtype() is torch.bfloat16:
         # A complex number promotes integers to the default complex dtype, complex64 under bfloat16: computed from
         # integers cast to bfloat16 first, they would be rounded twice.
         return (), True
+    names = _leaf_names(func, pending.plain)
     operands = tuple(index for index, _ in tensors if names is not None and names[index] not in _NOT_OPERANDS)
     if operands and _promotion_replayed(pending, operands, results):
         return tuple(sorted(operands)), False
@@ -872,9 +878,26 @@ def _reads_no_default_dtype(func: Callable[..., Any]) -> bool:
     return func is original or func is getattr(original, "__wrapped__", None)
 
 
+def _python_floats_in(leaves: Sequence[Any]) -> bool:
+    return any(type(value) in (float, complex) for value in leaves)
+
+
 def _give_dtype(pending: _Pending, dtype: torch.dtype) -> None:
     """Record the factory ``pending`` with ``dtype=dtype``, the dtype it made: a keyword argument at the end (or in
     place of a None), so that the positions of the other leaves stay as noted."""
+    plain = pending.plain
+    if plain is not None:  # every factory's call: its leaves and lists are known without pytree (a few us)
+        positional, names, containers = plain
+        if "dtype" in names:
+            at = positional + names.index("dtype")
+            pending.flat[at if containers is None else sum(1 if c is None else c[1] for c in containers[:at])] = dtype
+            return
+        given: Plain = (positional, (*names, "dtype"), None if containers is None else (*containers, None))
+        spec = _SPECS.get(given)
+        if spec is not None:
+            pending.flat.append(dtype)
+            pending.plain, pending.spec = given, spec
+            return
     args, kwargs = tree_unflatten(pending.flat, pending.spec)  # a factory holds no tensors: nothing left out
     kwargs = {**kwargs, "dtype": dtype}
     pending.plain = plain_call(args, kwargs)
@@ -882,6 +905,7 @@ def _give_dtype(pending: _Pending, dtype: torch.dtype) -> None:
     pending.flat = list(flat)
 
 
+@functools.cache  # a schema's arguments are made anew on each read
 def _leaf_names(func: OpOverload, plain: Plain | None) -> list[str] | None:
     """The name of the schema argument each leaf of a plain call of ``func`` is (None for a call with lists)."""
     if plain is None or plain[2] is not None:
