@@ -415,18 +415,19 @@ def _power_of_x_packed(exponent: int) -> bytes:
 # The C routines have several methods for the same bytes, chosen by the CPU's features at run time (AVX2, AVX-512,
 # carry-less multiplication): a CI host tests only those its CPU has, and a wrong one on a user's CPU would give
 # other weights, silently. So the first time a process is about to use a method other than the portable one
-# (``squaring`` for the power, ``words`` for the sums), that method computes a far jump's power (an exponent of 160
-# bits: every squaring past the top 14 bits goes through the vector loops) and the sums over a dense power (about
-# 10,000 terms, from a seeded generator's words), and the portable method computes the same; a method that disagrees
-# is not used again in the process, with a warning, and the next one down is checked the same way. The checks cost
-# about 5 ms, once per process; a disabled method costs speed, never a different tensor.
+# (``squaring`` for the power, ``words`` for the sums), that method and the portable one compute the same power (an
+# exponent of 24 bits: 10 squarings past the top 14 bits, each a full pass of the vector loops, as in a far jump)
+# and the same sums (over a polynomial whose coefficients are half ones, as a far jump's power, and a seeded
+# generator's words); a method that disagrees is not used again in the process, with a warning, and the next one
+# down is checked the same way. The checks cost a few milliseconds, once per process; a disabled method costs
+# speed, never a different tensor.
 
 _POWER, _TWISTED = "power_of_x", "twisted"
 _PORTABLE = {_POWER: "squaring", _TWISTED: "words"}
 #: Below how many terms of ``x^M mod p`` the C routine sums rows of words rather than use carry-less multiplication,
 #: per method (``mt_words_below`` in ``_speedups.c``): used when a checked method is not the routine's own choice.
 _WORDS_BELOW = {"words": 0, "clmul128": 2000, "clmul256": 1000, "clmul512": 500}
-_CHECK_EXPONENT = (1 << 159) + 0x9E3779B97F4A7C15F39CC0605CEDC834  # 160 bits, ones and zeros mixed
+_CHECK_EXPONENT = 0x9E3779  # 24 bits, ones and zeros mixed: 10 squarings past the top 14 bits
 _CHECK_SEED = 20_251_129
 
 
@@ -476,14 +477,18 @@ def _agrees(speedups: object, function: str, method: str) -> bool:
     verdict = _verdicts.get(key)
     if verdict is None:
         portable = _PORTABLE[function]
-        exponent = _CHECK_EXPONENT.to_bytes(20, "big")
+        exponent = _CHECK_EXPONENT.to_bytes(3, "big")
         power_of_x = speedups.mt19937_power_of_x  # type: ignore[attr-defined]
         if function == _POWER:
             verdict = power_of_x(exponent, _P_PACKED, method) == power_of_x(exponent, _P_PACKED, portable)
         else:
-            coefficients = power_of_x(exponent, _P_PACKED, _PORTABLE[_POWER])
-            state = torch.Generator(device="cpu").manual_seed(_CHECK_SEED).get_state()
-            arrays = [bytearray(bytes(state[_ARRAY_START:_ARRAY_END].tolist())) for _ in range(2)]
+            # Any polynomial serves to compare sums: half its coefficients ones (a far jump's power has as many),
+            # none of degree 19,937 or more; and words of a seeded generator.
+            generator = torch.Generator(device="cpu").manual_seed(_CHECK_SEED)
+            random = torch.randint(0, 256, (_PACKED_BYTES + _ARRAY_END - _ARRAY_START,), generator=generator)
+            drawn = bytes(random.to(torch.uint8).tolist())
+            coefficients = drawn[: _PACKED_BYTES - 1] + bytes([drawn[_PACKED_BYTES - 1] & 1])
+            arrays = [bytearray(drawn[_PACKED_BYTES:]) for _ in range(2)]
             speedups.mt19937_twisted(memoryview(arrays[0]), coefficients, method)  # type: ignore[attr-defined]
             speedups.mt19937_twisted(memoryview(arrays[1]), coefficients, portable)  # type: ignore[attr-defined]
             verdict = arrays[0] == arrays[1]
