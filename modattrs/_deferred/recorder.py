@@ -62,6 +62,8 @@ from modattrs._names import callable_name, where
 from modattrs._torch_private import (
     TRUNC_NORMAL_HELPER,
     DataDependentOutputException,
+    DisableTorchDispatch,
+    DisableTorchFunction,
     DynamicOutputShapeException,
     FakeTensor,
     OpOverload,
@@ -816,6 +818,8 @@ def _pass_default_dtype(pending: _Pending, result: Any) -> tuple[tuple[int, ...]
         return (), not _reads_no_default_dtype(func)
     for slot in pending.slots:
         if not slot.written and (slot.dtype.is_floating_point or slot.dtype.is_complex):
+            if func in _TENSOR_BOUNDED_FACTORIES:
+                break
             return (), False  # most operations: a float tensor read, whose category promotion keeps (see below)
     leaves = pending.flat
     if any(isinstance(value, torch.dtype) for value in leaves):
@@ -919,7 +923,7 @@ def _promotion_replayed(pending: _Pending, operands: tuple[int, ...], results: l
     tried on meta tensors, out of every mode."""
     default = torch.get_default_dtype()
     flat = list(pending.flat)
-    with disable_current_modes():
+    with DisableTorchFunction(), DisableTorchDispatch():
         for slot in pending.slots:
             flat[slot.index] = torch.empty_strided(slot.size, slot.stride, dtype=slot.dtype, device="meta")
         for constant in pending.constant_slots:
