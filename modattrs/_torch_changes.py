@@ -10,6 +10,8 @@ GPU). Each group is made after the base one and touches nothing another group to
 same state whatever order its features were first used in. The engines (``_fake``, ``_deferred``) change nothing
 themselves: the public faces call these functions, and pass :func:`install_fake_cuda` to the recorder.
 ``docs/torch_changes.rst`` lists the changes for users; :func:`undo` puts back what can be put back, for tests.
+Replays make no process-wide change at all: they never set torch's default dtype (Note [The default dtype is passed,
+never set] in ``_deferred.record``) nor its thread count.
 
 Replacements are made at install time, around whatever the attribute holds then (``functools.wraps``, so each
 keeps ``__wrapped__``), and each remembers what it replaced, so :func:`undo` restores exactly that.

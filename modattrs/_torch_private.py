@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import struct
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -280,6 +281,23 @@ def forget_fakes(mode: FakeTensorMode, fakes: Iterable[FakeTensor]) -> None:
         refs[:] = [ref for ref in refs if id(ref()) not in gone]
 
 
+# --- the CPU generator's state ---------------------------------------------------------------------------------------
+
+# The bytes of a CPU torch.Generator's state as get_state() returns them and set_state() takes them: torch's legacy
+# layout (CPUGeneratorImplStateLegacy and its THGeneratorState in aten/src/ATen/CPUGeneratorImpl.cpp), in native byte
+# order. torch documents only that the state is a uint8 tensor; the jump (``_deferred.mt19937``) and the models of
+# the random kernels (``_deferred.draws``) read and write these fields. tests/test_generator_jump.py checks them
+# against torch's own draws. Checked on 2.8 to 2.15.
+CPU_STATE_BYTES = 5056
+CPU_STATE_HEADER = struct.Struct("=QiiQ")  # the initial seed, left, seeded, next
+CPU_STATE_LEFT = struct.Struct("=i"), 8  # the format and offset of `left`
+CPU_STATE_NEXT = struct.Struct("=Q"), 16  # of `next`
+CPU_STATE_ARRAY = range(24, 24 + 624 * 8)  # the engine's 624 words, each a uint64 holding 32 bits
+# The scalar Box-Muller cache for doubles: normal_x, normal_y, normal_rho (doubles), then normal_is_valid (int32).
+CPU_STATE_NORMAL_CACHE = range(5016, 5044)
+CPU_STATE_NORMAL_VALID = range(5040, 5044)
+
+
 # --- aten operators --------------------------------------------------------------------------------------------------
 
 
@@ -290,6 +308,17 @@ def written_arguments(func: OpOverload) -> tuple[tuple[int, str], ...]:
         (index, argument.name)
         for index, argument in enumerate(func._schema.arguments)
         if argument.alias_info is not None and argument.alias_info.is_write
+    )
+
+
+@functools.cache  # asked of every factory recorded; a schema's arguments are made anew on each read
+def optional_dtype_keyword(func: OpOverload) -> bool:
+    """Whether an aten operation's schema has a keyword-only ``dtype`` that may be None (a factory's ``ScalarType?
+    dtype``, None meaning torch's default dtype): OpOverload has no public accessor for the schema. Checked on 2.8
+    to 2.15."""
+    return any(
+        argument.name == "dtype" and argument.kwarg_only and isinstance(argument.type, torch.OptionalType)
+        for argument in func._schema.arguments
     )
 
 

@@ -464,11 +464,14 @@ class Forced:
         assert mt19937._speedups is not None
         self.module, self.twist, self.power = mt19937._speedups, twist, power
 
-    def mt19937_twisted(self, array: memoryview, coefficients: bytes) -> None:
-        self.module.mt19937_twisted(array, coefficients, self.twist)
+    def mt19937_twisted(self, array: memoryview, coefficients: bytes, method: str | None = None) -> None:
+        self.module.mt19937_twisted(array, coefficients, self.twist or method)
 
-    def mt19937_power_of_x(self, exponent: bytes, modulus: bytes) -> bytes:
-        return self.module.mt19937_power_of_x(exponent, modulus, self.power)
+    def mt19937_power_of_x(self, exponent: bytes, modulus: bytes, method: str | None = None) -> bytes:
+        return self.module.mt19937_power_of_x(exponent, modulus, self.power or method)
+
+    def mt19937_methods(self) -> dict[str, tuple[str, ...]]:
+        return self.module.mt19937_methods()
 
 
 @contextlib.contextmanager

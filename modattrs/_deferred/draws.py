@@ -167,7 +167,7 @@ from typing import Final
 import torch
 
 from modattrs._deferred.mt19937 import FAR_JUMP_COST, jumped_state
-from modattrs._torch_private import FakeTensor, contiguous_strides
+from modattrs._torch_private import CPU_STATE_NORMAL_CACHE, CPU_STATE_NORMAL_VALID, FakeTensor, contiguous_strides
 
 __all__ = [
     "BLOCKS",
@@ -201,9 +201,9 @@ _INT64_MIN: Final = -(1 << 63)
 _INT64_MAX: Final = (1 << 63) - 1
 
 # The Box-Muller cache in the state (native byte order): normal_x, normal_y, normal_rho (doubles), normal_is_valid.
-_CACHE_START: Final = 5016
-_CACHE_VALID: Final = 5040
-_CACHE_END: Final = 5044
+_CACHE_START: Final = CPU_STATE_NORMAL_CACHE.start
+_CACHE_VALID: Final = CPU_STATE_NORMAL_VALID.start
+_CACHE_END: Final = CPU_STATE_NORMAL_CACHE.stop
 _BLOCK: Final = 16
 
 #: What a jump into a large result costs, counted in outputs drawn in that time (``mt19937.FAR_JUMP_COST``; short

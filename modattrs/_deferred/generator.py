@@ -383,8 +383,6 @@ class Walk:
                 _set_state(self._reset_of(index))
             elif behind == 0 and index not in self.states:
                 self.states[index] = _get_state()
-            if op.default_dtype is not torch.get_default_dtype():
-                torch.set_default_dtype(op.default_dtype)
             outputs = self._outputs_of(index)
             if outputs is not None:
                 behind += outputs
@@ -506,7 +504,7 @@ def _call_key(op: Op, device: torch.device | None) -> tuple[Any, ...] | None:
         tuple(op.flat),
         tuple((slot.index, slot.size, slot.stride, slot.dtype, slot.device) for slot in op.slots),
         device,
-        None if op.slots else (torch.get_default_dtype(), torch.get_default_device()),
+        None if op.slots else (op.default_dtype, torch.get_default_device()),
     )
     try:
         hash(key)
@@ -519,7 +517,7 @@ def _call_key(op: Op, device: torch.device | None) -> tuple[Any, ...] | None:
 def replaying(record: Record, device: torch.device | None, resolve: Resolve, *, to_end: bool) -> Iterator[Walk]:
     """Run a replay of ``record``, one at a time, with the walk that moves the generator along its draws.
 
-    Afterwards the default dtype is put back, and so is the generator, unless the replay ran ``to_end`` (every draw
+    Afterwards the generator is put back, unless the replay ran ``to_end`` (every draw
     of the record) and the caller did not reseed since recording: eager code would then be past the record's
     draws, and the generator stays there.
     """
@@ -528,14 +526,12 @@ def replaying(record: Record, device: torch.device | None, resolve: Resolve, *, 
         keep = to_end and not record.settled and (position() is record.point or epoch == record.point_epoch)
         with suspended(), disable_current_modes(), torch.no_grad():
             saved = real_state()
-            default_dtype = torch.get_default_dtype()
             walk = Walk(record, device, resolve)
             finished = False
             try:
                 yield walk
                 finished = True
             finally:
-                torch.set_default_dtype(default_dtype)
                 if finished:
                     walk.finish()
                 if finished and keep:

@@ -5,9 +5,10 @@ generator would have after drawing ``k`` 32-bit outputs: ``g.set_state(jumped_st
 what ``g.set_state(s)``, drawing ``k`` outputs, then drawing gives. For a state torch produced, the result is
 byte for byte what ``get_state()`` returns after those draws.
 
-The state (5,056 bytes, native byte order): the initial seed (uint64), ``left`` (int32), ``seeded`` (int32),
-``next`` (uint64), the 624 words of the engine's array (each a uint64 holding 32 bits), then the Box-Muller caches
-(``normal_x``, ``normal_y``, ``normal_rho``, ``normal_is_valid``, the float sample and its flag). torch's engine
+The state (5,056 bytes, native byte order, in torch's layout, which ``_torch_private`` names): the initial seed
+(uint64), ``left`` (int32), ``seeded`` (int32), ``next`` (uint64), the 624 words of the engine's array (each a uint64
+holding 32 bits), then the Box-Muller caches (``normal_x``, ``normal_y``, ``normal_rho``, ``normal_is_valid``, the
+float sample and its flag). torch's engine
 (``aten/src/ATen/core/MT19937RNGEngine.h``) draws an output by decrementing ``left``; when that makes it 0 it
 regenerates the whole array (a "twist") and sets ``left = 624, next = 0``; it then tempers and returns
 ``array[next++]``. So right after ``manual_seed`` the state is ``left = 1, next = 0`` and the array is still the
@@ -50,7 +51,9 @@ Each step has two implementations with the same results, bit for bit: C routines
   ``c`` reversed and that bit plane of the stream, so the 32 planes are multiplied by ``c`` carry-less (PCLMULQDQ:
   64 x 64 bits an instruction, 2 or 4 at once with AVX2 or AVX-512 and VPCLMULQDQ). Without carry-less
   multiplication (other CPUs, other compilers), and for the few terms of a short jump's power, the rows
-  ``w[j + 1 ..]`` with ``c_j = 1`` are XORed 24 output words at a time. The extension picks per CPU at run time.
+  ``w[j + 1 ..]`` with ``c_j = 1`` are XORed 24 output words at a time. The extension picks per CPU at run time,
+  and each method but the portable ones is checked against them at its first use in a process (Note [Each jump
+  method checked where it runs]): one that disagrees is not used again, with a warning.
 - torch: the sums per bit of the words, by FFT (for ``M < 19937`` the words are read off the stream). ``x^M mod p``
   bit by bit of ``M`` by the transpose of Bostan and Mori's halving step (``[x^N] P/Q = [x^(N//2)]
   (P Q)_(N mod 2) / Q`` over GF(2), where ``Q(x) Q(-x) = Q(x^2)``): one FFT correlation of length 20,000 per bit of
@@ -95,29 +98,36 @@ jumps: ``DRAWING_CROSSOVER`` is 0; with the torch path alone they meet at about 
 ``DRAWING_CROSSOVER`` is that. A jump to a far distance costs what drawing 15,000 (repeated) to 80,000 (fresh, up
 to ``2^32``) outputs costs with carry-less multiplication, 140,000 to 370,000 without: ``FAR_JUMP_COST`` says so.
 
-The torch path's FFTs run on torch's intra-op threads (MKL). With more busy threads than cores each FFT can wait for
-a scheduler time slice: with 2 threads on this machine under a load of about 3, jumps of 3 to 8 million outputs took
-45 to 110 ms instead of 11, so that path runs on one thread (``_one_thread``). Processes that share a machine (one
-per rank) are best run with fewer threads anyway. The C routines use no torch threads and release the GIL: jumps
-in several threads run at once.
+The torch path's FFTs run on torch's intra-op threads (MKL), as many as the process gives torch: a jump never changes
+that count, which is process-wide (another thread's matmul would run on the count a jump set). With more busy
+threads than cores each FFT can wait for a scheduler time slice: with 2 threads on this machine under a load of
+about 3, jumps of 3 to 8 million outputs took 45 to 110 ms instead of 11. Processes that share a machine (one per
+rank) are best run with fewer threads anyway (``torch.set_num_threads``, the caller's choice). The results do not
+depend on the count. The C routines use no torch threads and release the GIL: jumps in several threads run at
+once.
 
 Only torch and the standard library are used (no numpy).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import operator
-import struct
 import threading
+import warnings
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from modattrs._compiled import speedups as _speedups
+from modattrs._torch_private import (
+    CPU_STATE_ARRAY,
+    CPU_STATE_BYTES,
+    CPU_STATE_HEADER,
+    CPU_STATE_LEFT,
+    CPU_STATE_NEXT,
+)
 
 __all__ = [
     "DRAWING_CROSSOVER",
@@ -138,12 +148,11 @@ _CARRY_LESS = _speedups is not None and _speedups.mt19937_methods()["twisted"][-
 #: multiplication, 0.3 to 0.8 ms on one without; 5 to 12 ms with the torch path.
 FAR_JUMP_COST = 50_000 if _CARRY_LESS else 200_000 if _speedups is not None else 5_000_000
 
-_STATE_BYTES = 5056
-_HEADER = struct.Struct("=QiiQ")  # initial seed, left, seeded, next
-_LEFT, _LEFT_AT = struct.Struct("=i"), 8
-_NEXT, _NEXT_AT = struct.Struct("=Q"), 16
-_ARRAY_START = _HEADER.size
-_ARRAY_END = _ARRAY_START + 624 * 8
+_STATE_BYTES = CPU_STATE_BYTES
+_HEADER = CPU_STATE_HEADER  # initial seed, left, seeded, next
+_LEFT, _LEFT_AT = CPU_STATE_LEFT
+_NEXT, _NEXT_AT = CPU_STATE_NEXT
+_ARRAY_START, _ARRAY_END = CPU_STATE_ARRAY.start, CPU_STATE_ARRAY.stop
 
 _N = 624  # words in the array
 _M = 397  # the recurrence's middle lag
@@ -318,48 +327,20 @@ def _advance_by_polynomial(parsed: _Parsed) -> torch.Tensor:
     return _result(parsed, _N - last, last + 1)
 
 
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """torch's intra-op thread count at 1 while jumps run, then as it was. The jump's FFTs are small (20,000 to
-    40,000 points): spread over threads they wait on each other, 4 to 6 times slower with 2 threads on a machine
-    that has other work (12 ms against 47 to 125 ms for 2^24 outputs, measured here). The count is process-wide,
-    so torch code running in other threads during those milliseconds runs on one thread too (its results are the
-    same), and jumps in several threads at once share one saved count: the last to finish puts it back."""
-    global _jumping, _threads_before
-    with _threads_lock:
-        if _jumping == 0:
-            _threads_before = torch.get_num_threads()
-            if _threads_before != 1:
-                torch.set_num_threads(1)
-        _jumping += 1
-    try:
-        yield
-    finally:
-        with _threads_lock:
-            _jumping -= 1
-            if _jumping == 0 and _threads_before != 1:
-                torch.set_num_threads(_threads_before)
-
-
-_threads_lock = threading.Lock()
-_jumping = 0  # jumps running, in any thread
-_threads_before = 1  # the thread count when the first of them began
-
-
 def _twist(state: bytearray, blocks: int) -> None:
     """Replace the array in ``state`` by the array after ``blocks`` (>= 1) twists: ``w[624 blocks .. + 623]``."""
     exponent = (_N * blocks - 1) % _PERIOD
     speedups = _speedups
     if speedups is not None:  # the same sums in C, from the same bits: the same words
         array = memoryview(state)[_ARRAY_START:_ARRAY_END]
-        speedups.mt19937_twisted(array, _coefficients(exponent))
+        coefficients = _coefficients(exponent)
+        speedups.mt19937_twisted(array, coefficients, _twist_method(speedups, coefficients))
         return
     words = _array(state) & _WORD
-    with _one_thread():
-        if exponent < _DEGREE:  # x^M mod p is x^M itself: the words are the stream's, from M + 1 on
-            twisted = _untempered(words, exponent + 1 + _N)[exponent + 1 :]
-        else:
-            twisted = _correlate(_unpacked(_coefficients(exponent)), _untempered(words, _STREAM))
+    if exponent < _DEGREE:  # x^M mod p is x^M itself: the words are the stream's, from M + 1 on
+        twisted = _untempered(words, exponent + 1 + _N)[exponent + 1 :]
+    else:
+        twisted = _correlate(_unpacked(_coefficients(exponent)), _untempered(words, _STREAM))
     _array(state).copy_(twisted)
 
 
@@ -421,10 +402,114 @@ def _power_of_x_packed(exponent: int) -> bytes:
     speedups = _speedups
     if speedups is not None:
         big_endian = exponent.to_bytes((exponent.bit_length() + 7) // 8, "big")
-        packed: bytes = speedups.mt19937_power_of_x(big_endian, _P_PACKED)
+        method = _checked_method(speedups, _POWER)
+        packed: bytes = speedups.mt19937_power_of_x(big_endian, _P_PACKED, None if method.best else method.name)
         return packed
-    with _one_thread():
-        return _packed(_power_of_x(exponent))
+    return _packed(_power_of_x(exponent))
+
+
+# --- the C routines' methods, each checked where it runs --------------------------------------------------------
+
+# Note [Each jump method checked where it runs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The C routines have several methods for the same bytes, chosen by the CPU's features at run time (AVX2, AVX-512,
+# carry-less multiplication): a CI host tests only those its CPU has, and a wrong one on a user's CPU would give
+# other weights, silently. So the first time a process is about to use a method other than the portable one
+# (``squaring`` for the power, ``words`` for the sums), that method and the portable one compute the same power (an
+# exponent of 24 bits: 10 squarings past the top 14 bits, each a full pass of the vector loops, as in a far jump)
+# and the same sums (over a polynomial whose coefficients are half ones, as a far jump's power, and a seeded
+# generator's words); a method that disagrees is not used again in the process, with a warning, and the next one
+# down is checked the same way. The checks cost a few milliseconds, once per process; a disabled method costs
+# speed, never a different tensor.
+
+_POWER, _TWISTED = "power_of_x", "twisted"
+_PORTABLE = {_POWER: "squaring", _TWISTED: "words"}
+#: Below how many terms of ``x^M mod p`` the C routine sums rows of words rather than use carry-less multiplication,
+#: per method (``mt_words_below`` in ``_speedups.c``): used when a checked method is not the routine's own choice.
+_WORDS_BELOW = {"words": 0, "clmul128": 2000, "clmul256": 1000, "clmul512": 500}
+_CHECK_EXPONENT = 0x9E3779  # 24 bits, ones and zeros mixed: 10 squarings past the top 14 bits
+_CHECK_SEED = 20_251_129
+
+
+@dataclass(frozen=True)
+class _Method:
+    name: str
+    best: bool  # the routine's own choice when given no method: it may then be passed None
+
+
+# Keyed by the routines' module itself (tests put stand-ins in its place), held: an id could be reused.
+_chosen: dict[tuple[object, str], _Method] = {}  # (routines, function) -> the method to use
+_verdicts: dict[tuple[object, str, str], bool] = {}  # (routines, function, method) -> agrees
+_checking = threading.Lock()
+
+
+def _checked_method(speedups: object, function: str) -> _Method:
+    """The best method of the C routine ``function`` that agrees with the portable one, each checked at its first
+    use (see Note [Each jump method checked where it runs])."""
+    key = (speedups, function)
+    chosen = _chosen.get(key)
+    if chosen is not None:
+        return chosen
+    with _checking:
+        methods: tuple[str, ...] = speedups.mt19937_methods()[function]  # type: ignore[attr-defined]
+        for method in reversed(methods):
+            if method == _PORTABLE[function] or _agrees(speedups, function, method):
+                chosen = _chosen[key] = _Method(method, method == methods[-1])
+                return chosen
+    raise AssertionError(f"mt19937_{function} lists no portable method")  # the C file always has it
+
+
+def _twist_method(speedups: object, coefficients: bytes) -> str | None:
+    """The method to pass ``mt19937_twisted`` for ``coefficients``: None (its own choice) while its best method is
+    trusted, else the best checked one, or ``words`` for a power of few terms, as the routine chooses."""
+    method = _checked_method(speedups, _TWISTED)
+    if method.best:
+        return None
+    if int.from_bytes(coefficients, "little").bit_count() < _WORDS_BELOW.get(method.name, 0):
+        return _PORTABLE[_TWISTED]
+    return method.name
+
+
+def _agrees(speedups: object, function: str, method: str) -> bool:
+    """Whether ``method`` of the C routine ``function`` gives the portable method's bytes on a far jump; warns,
+    once per process and method, when it does not. Call with ``_checking`` held."""
+    key = (speedups, function, method)
+    verdict = _verdicts.get(key)
+    if verdict is None:
+        portable = _PORTABLE[function]
+        exponent = _CHECK_EXPONENT.to_bytes(3, "big")
+        power_of_x = speedups.mt19937_power_of_x  # type: ignore[attr-defined]
+        if function == _POWER:
+            verdict = power_of_x(exponent, _P_PACKED, method) == power_of_x(exponent, _P_PACKED, portable)
+        else:
+            # Any polynomial serves to compare sums: half its coefficients ones (a far jump's power has as many),
+            # none of degree 19,937 or more; and words of a seeded generator.
+            generator = torch.Generator(device="cpu").manual_seed(_CHECK_SEED)
+            random = torch.randint(0, 256, (_PACKED_BYTES + _ARRAY_END - _ARRAY_START,), generator=generator)
+            drawn = bytes(random.to(torch.uint8).tolist())
+            coefficients = drawn[: _PACKED_BYTES - 1] + bytes([drawn[_PACKED_BYTES - 1] & 1])
+            arrays = [bytearray(drawn[_PACKED_BYTES:]) for _ in range(2)]
+            speedups.mt19937_twisted(memoryview(arrays[0]), coefficients, method)  # type: ignore[attr-defined]
+            speedups.mt19937_twisted(memoryview(arrays[1]), coefficients, portable)  # type: ignore[attr-defined]
+            verdict = arrays[0] == arrays[1]
+        _verdicts[key] = verdict
+        if not verdict:
+            warnings.warn(
+                f"modattrs: the C routine mt19937_{function} gives other bytes with its method {method!r} than with "
+                f"the portable {portable!r} on this CPU; {method!r} is not used again in this process (jumps of the "
+                "generator take a slower method, with the same results). Please report it with this CPU's model",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return verdict
+
+
+def forget_checked_methods() -> None:
+    """Forget which methods of the C routines were checked: the next jumps check theirs again, as a fresh process's
+    would (for tests)."""
+    with _checking:
+        _chosen.clear()
+        _verdicts.clear()
 
 
 def _packed(coefficients: torch.Tensor) -> bytes:

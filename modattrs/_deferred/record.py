@@ -4,7 +4,8 @@ A record is a list of operations (:class:`Op`) on tensors known by number (refs)
 arguments sit in its flattened arguments (:class:`Slot`), what it read and wrote, and which generator it drew from
 (:class:`Draws`). The recorder (``recorder``) appends to it, the replayer (``replay``) runs parts of it, and the
 generator timeline (``generator``) keeps its notes on the random generator in the record's last fields. Nothing
-here changes a record or reads the state of torch.
+here changes a record or torch, and the one state of torch read is the default dtype, by ``Op.arguments`` (see
+Note [The default dtype is passed, never set]).
 """
 
 from __future__ import annotations
@@ -201,12 +202,17 @@ class Op:
     device: torch.device | None  # where it ran: the device of its result, or of what it wrote
     reset: Position | None  # for draws: where the default CPU generator was set to before it (see generator)
     pinned: bool  # draws from a default generator as many numbers as fake values say: it runs in every replay
-    default_dtype: torch.dtype
+    default_dtype: torch.dtype  # torch's default dtype when it was recorded
     # How ``flat`` splits into the arguments when each is a leaf or a list of leaves, as for aten calls (see
     # ``plain_call``); else None, and ``spec`` says.
     plain: Plain | None = None
     # The arguments as called, fake tensors left None, when they need no more than those put in (see ``call_of``).
     call: Call | None = None
+    # The positions in ``flat`` of the integer and boolean tensors that it promoted to the default dtype: cast to
+    # ``default_dtype`` before the call (see Note [The default dtype is passed, never set]).
+    promoted: tuple[int, ...] = ()
+    # Whether it reads torch's default dtype in a way the replay cannot pass: it runs only under ``default_dtype``.
+    reads_default_dtype: bool = False
 
     @property
     def name(self) -> str:
@@ -227,7 +233,13 @@ class Op:
         checked, and replaced by views of their storage's copy in ``copies`` where the operation writes them (an
         opaque one may) or where the replay copied it before; devices replaced by ``device`` if given, generators by
         ``generators`` or by copies at their recorded state. The real tensors it hands over unchanged may come back
-        in the results: see :func:`private_results`."""
+        in the results: see :func:`private_results`.
+
+        Raises ``DeferredInitError`` for an operation that reads torch's default dtype in a way that cannot be passed
+        to it (``reads_default_dtype``) when the default dtype is not the one it was recorded with.
+        """
+        if self.reads_default_dtype and self.default_dtype is not torch.get_default_dtype():
+            raise _default_dtype_refused(self)
         call = self.call
         if call is not None and not generators and (device is None or not self.device_slots):
             # Most operations of a replay (the views and splits of FSDP2's sharding) take this way. The arguments
@@ -235,6 +247,8 @@ class Op:
             arguments = list(call.args)
             for position, tensor in tensors.items():
                 arguments[position] = tensor
+            for position in self.promoted:  # fake tensors only: a call holds no real ones
+                arguments[position] = arguments[position].to(self.default_dtype)
             return tuple(arguments), dict(call.kwargs)
         flat = list(self.flat)
         for position, tensor in tensors.items():
@@ -267,12 +281,48 @@ class Op:
             flat[position] = generator
         for position, generator in (generators or {}).items():
             flat[position] = generator
+        for position in self.promoted:
+            flat[position] = flat[position].to(self.default_dtype)
         if self.plain is None:
             return tree_unflatten(flat, self.spec)  # type: ignore[no-any-return]
         positional, names, containers = self.plain  # pytree's unflatten costs more than most operations it calls
         if containers is not None:
             flat = _gathered(flat, containers)
         return tuple(flat[:positional]), dict(zip(names, flat[positional:], strict=True))
+
+
+def _default_dtype_refused(op: Op) -> DeferredInitError:
+    what = "calls Python code that may make tensors" if op.opaque else "computes"
+    return DeferredInitError(
+        f"{op.name} {what} in torch's default dtype, which differs from the one it was recorded with, and a "
+        "replay cannot hand it the recorded one: it would make other values than eager construction made.\n"
+        f"expected: torch.get_default_dtype() == {op.default_dtype}, as when recorded\n"
+        f"got: {torch.get_default_dtype()}\n"
+        "modattrs never changes the default dtype itself (it is process-wide). Materialize under "
+        f"torch.set_default_dtype({op.default_dtype}), or give the operation its dtype in the constructor"
+    )
+
+
+# Note [The default dtype is passed, never set]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch's default dtype is one setting for the whole process: a replay that set it around the operations recorded
+# under another would change what every other thread makes meanwhile. So each operation is given what it read of
+# it when recorded (``recorder._pass_default_dtype`` works out which, reading torch's schemas and tags):
+# - A factory whose ``dtype`` is None (``zeros``, ``randn``, ``full``, ``arange``, ``scalar_tensor``, ``linspace``
+#   of tensor bounds, ...) takes the default for floats; it is recorded with ``dtype=`` the dtype it made, which
+#   torch's factories treat alike.
+# - A pointwise operation whose tensors are all integers or booleans, promoted to the default dtype by a Python
+#   float (``counts * 1.1``, ``counts == 1.5``) or by a float operation (``counts / 7``, ``sin(counts)``): torch's
+#   iterator casts those tensors to the default dtype and computes there, keeping a Python number's own value
+#   (``original_scalar_value``). The replay casts them itself (``Op.promoted``), and then no operand asks for the
+#   default: the same casts, the same kernel, the same scalar, the same bits.
+# - What is neither is marked ``Op.reads_default_dtype``: it runs under the default dtype it was recorded with and
+#   is refused under another, naming it. That is a pointwise ``counts * 1j`` under a bfloat16 default (the default
+#   complex dtype, complex64, is not bfloat16's: a cast to bfloat16 first would round twice), integers computed into
+#   an ``out=`` tensor (``sin(counts, out=t)``: the out tensor does not take part in the promotion), any other
+#   operation that makes floats from integers only without a ``dtype`` (none is known), and an opaque initializer,
+#   which is Python code. torch's own ``trunc_normal_`` helper makes every tensor
+#   from its argument's dtype, so it is not marked.
 
 
 # How many arguments are positional, the names of the others, and the list or tuple each argument is with its

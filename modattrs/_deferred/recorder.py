@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -59,7 +60,10 @@ from modattrs._fake import cuda_guard
 from modattrs._fake.mode import CONSTANT_LIMIT, ModattrsFakeTensorMode
 from modattrs._names import callable_name, where
 from modattrs._torch_private import (
+    TRUNC_NORMAL_HELPER,
     DataDependentOutputException,
+    DisableTorchDispatch,
+    DisableTorchFunction,
     DynamicOutputShapeException,
     FakeTensor,
     OpOverload,
@@ -69,7 +73,11 @@ from modattrs._torch_private import (
     address_of,
     disable_current_modes,
     forget_fakes,
+    operator_arguments,
+    optional_dtype_keyword,
+    overloads_of,
     tree_flatten,
+    tree_unflatten,
     version_of,
     view_base_of,
     written_arguments,
@@ -410,6 +418,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             # argument's ref. Written they are, whatever else views their storage (a scatter into a row of a weight).
             writes = writes.union([slot.storage for slot in pending.slots if slot.ref in out_refs])
         results = results_of(pending.func, out_refs, self.record.layouts)
+        promoted, reads_default_dtype = _pass_default_dtype(pending, result)
         op = Op(
             func=pending.func,
             flat=pending.flat,
@@ -432,6 +441,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             reset=None,
             pinned=pending.draws is Draws.DEFAULT and _reads_values(pending),
             default_dtype=torch.get_default_dtype(),
+            promoted=promoted,
+            reads_default_dtype=reads_default_dtype,
         )
         if pending.draws is Draws.EXPLICIT:
             if _reads_values(pending):
@@ -795,6 +806,138 @@ def _made_here(
         pinned=False,
         default_dtype=torch.get_default_dtype(),
     )
+
+
+def _pass_default_dtype(pending: _Pending, result: Any) -> tuple[tuple[int, ...], bool]:
+    """How the replay gives ``pending`` (which returned ``result``) what it read of torch's default dtype (see Note
+    [The default dtype is passed, never set] in record): a factory's ``dtype`` written into its arguments here; the
+    positions of the tensors to cast to it (``Op.promoted``); and whether it reads it in a way neither passes
+    (``Op.reads_default_dtype``)."""
+    func = pending.func
+    if not isinstance(func, OpOverload):  # an opaque initializer: Python code
+        return (), not _reads_no_default_dtype(func)
+    for slot in pending.slots:
+        if not slot.written and (slot.dtype.is_floating_point or slot.dtype.is_complex):
+            if func in _TENSOR_BOUNDED_FACTORIES:
+                break
+            return (), False  # most operations: a float tensor read, whose category promotion keeps (see below)
+    leaves = pending.flat
+    if any(isinstance(value, torch.dtype) for value in leaves):
+        return (), False  # a dtype given: the operation's dtypes come from it and from its tensors
+    results = [leaf for leaf in _leaves(result) if isinstance(leaf, torch.Tensor)]
+    tensors = [(slot.index, slot.dtype) for slot in pending.slots]
+    tensors += [(constant.index, constant.tensor.dtype) for constant in pending.constant_slots]
+    if (not tensors or func in _TENSOR_BOUNDED_FACTORIES) and len(results) == 1 and optional_dtype_keyword(func):
+        _give_dtype(pending, results[0].dtype)
+        return (), False
+    if not tensors:
+        return (), any(_is_float(tensor.dtype) for tensor in results)
+    written = any(slot.written for slot in pending.slots)
+    names = _leaf_names(func, pending.plain) if written else None
+    # An `out=` tensor takes what was computed: it has no part in the promotion (nor has it a dtype to pass).
+    outs = {slot.index for slot in pending.slots if slot.written and names is not None and names[slot.index] == "out"}
+    if any(_is_float(dtype) for index, dtype in tensors if index not in outs):
+        return (), False  # promotion keeps the category of a float tensor, whatever the default
+    floats_made = any(_is_float(tensor.dtype) for tensor in results)
+    python_floats = _python_floats_in(leaves)
+    if not floats_made and not python_floats:
+        return (), False  # integers and booleans throughout
+    if outs:
+        return (), True
+    if torch.Tag.pointwise not in func.tags or written:
+        return (), floats_made
+    complex_numbers = any(type(value) is complex for value in leaves) or any(t.dtype.is_complex for t in results)
+    if complex_numbers and torch.get_default_dtype() is torch.bfloat16:
+        # A complex number promotes integers to the default complex dtype, complex64 under bfloat16: computed from
+        # integers cast to bfloat16 first, they would be rounded twice.
+        return (), True
+    names = _leaf_names(func, pending.plain)
+    operands = tuple(index for index, _ in tensors if names is not None and names[index] not in _NOT_OPERANDS)
+    if operands and _promotion_replayed(pending, operands, results):
+        return tuple(sorted(operands)), False
+    # A float made from integers only comes from the default; an integer or boolean result of a call with a Python
+    # float that the cast does not reproduce is an operation that cast the float to its tensor's dtype instead
+    # (``masked_fill``): it read no default.
+    return (), floats_made
+
+
+# Factories whose bounds are tensors (``linspace(start, end, steps)`` of 0-dim tensors): with ``dtype`` None they make
+# the default dtype, whatever the dtypes of those tensors.
+_TENSOR_BOUNDED_FACTORIES = frozenset(
+    func for func in overloads_of(torch.ops.aten.linspace, torch.ops.aten.logspace) if optional_dtype_keyword(func)
+)
+
+# Pointwise operations' tensor arguments that are not promoted with the others: where's condition, a mask.
+_NOT_OPERANDS = frozenset({"condition", "mask"})
+
+
+def _is_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def _reads_no_default_dtype(func: Callable[..., Any]) -> bool:
+    """Whether an opaque initializer is torch's ``trunc_normal_`` helper, which makes every tensor in its argument's
+    dtype (``new_tensor``, ``empty_like``; checked on 2.8 to 2.15): the one known not to read the default dtype."""
+    original = getattr(torch.nn.init, TRUNC_NORMAL_HELPER, None)
+    return func is original or func is getattr(original, "__wrapped__", None)
+
+
+def _python_floats_in(leaves: Sequence[Any]) -> bool:
+    return any(type(value) in (float, complex) for value in leaves)
+
+
+def _give_dtype(pending: _Pending, dtype: torch.dtype) -> None:
+    """Record the factory ``pending`` with ``dtype=dtype``, the dtype it made: a keyword argument at the end (or in
+    place of a None), so that the positions of the other leaves stay as noted."""
+    plain = pending.plain
+    if plain is not None:  # every factory's call: its leaves and lists are known without pytree (a few us)
+        positional, names, containers = plain
+        if "dtype" in names:
+            at = positional + names.index("dtype")
+            pending.flat[at if containers is None else sum(1 if c is None else c[1] for c in containers[:at])] = dtype
+            return
+        given: Plain = (positional, (*names, "dtype"), None if containers is None else (*containers, None))
+        spec = _SPECS.get(given)
+        if spec is not None:
+            pending.flat.append(dtype)
+            pending.plain, pending.spec = given, spec
+            return
+    args, kwargs = tree_unflatten(pending.flat, pending.spec)  # a factory holds no tensors: nothing left out
+    kwargs = {**kwargs, "dtype": dtype}
+    pending.plain = plain_call(args, kwargs)
+    flat, pending.spec = _flattened(args, kwargs, pending.plain)
+    pending.flat = list(flat)
+
+
+@functools.cache  # a schema's arguments are made anew on each read
+def _leaf_names(func: OpOverload, plain: Plain | None) -> list[str] | None:
+    """The name of the schema argument each leaf of a plain call of ``func`` is (None for a call with lists)."""
+    if plain is None or plain[2] is not None:
+        return None
+    positional, keywords, _ = plain
+    return [*operator_arguments(func)[:positional], *keywords]
+
+
+def _promotion_replayed(pending: _Pending, operands: tuple[int, ...], results: list[torch.Tensor]) -> bool:
+    """Whether ``pending`` called with its ``operands`` cast to the default dtype makes results of the dtypes it made:
+    tried on meta tensors, out of every mode."""
+    default = torch.get_default_dtype()
+    flat = list(pending.flat)
+    with DisableTorchFunction(), DisableTorchDispatch():
+        for slot in pending.slots:
+            flat[slot.index] = torch.empty_strided(slot.size, slot.stride, dtype=slot.dtype, device="meta")
+        for constant in pending.constant_slots:
+            tensor = constant.tensor
+            flat[constant.index] = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+        for index in operands:
+            flat[index] = flat[index].to(default)
+        args, kwargs = tree_unflatten(flat, pending.spec)
+        try:
+            made = pending.func(*args, **kwargs)
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):  # ComplexBFloat16, say: no such dtype
+            return False
+    again = [leaf for leaf in _leaves(made) if isinstance(leaf, torch.Tensor)]
+    return [tensor.dtype for tensor in again] == [tensor.dtype for tensor in results]
 
 
 def _reads(pending: _Pending) -> frozenset[int]:

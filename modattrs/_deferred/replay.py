@@ -90,8 +90,6 @@ def _run_kept(
         windows.prepare(ops, parts, unfilled, device, copies)
     for index in kept:
         op = ops[index]
-        if op.default_dtype is not torch.get_default_dtype():
-            torch.set_default_dtype(op.default_dtype)
         on = roles.get(index)
         if on is not None:
             assert parts is not None

@@ -655,11 +655,9 @@ def prepare(
 def _run_factory(
     op: Op, func: OpOverload | None, windows: Mapping[int, Window], device: torch.device | None, copies: Copies
 ) -> torch.Tensor:
-    """A host's factory, run with stand-ins for the window it reads the dtype and device of, in the default dtype
-    it ran in (set as the replay sets it for every operation; ``generator.replaying`` puts it back at the end)."""
+    """A host's factory, run with stand-ins for the window it reads the dtype and device of (its dtype is in its
+    arguments: see Note [The default dtype is passed, never set] in record)."""
     args, kwargs = op.arguments(window_arguments(op, windows, {}), device, copies=copies)
-    if op.default_dtype is not torch.get_default_dtype():
-        torch.set_default_dtype(op.default_dtype)
     made = (func or op.func)(*args, **kwargs)
     assert isinstance(made, torch.Tensor)
     return made
