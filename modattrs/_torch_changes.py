@@ -145,8 +145,10 @@ def install() -> None:
         #     fully_shard and parallelize_module cut) reaches FakeTensor.__torch_dispatch__, which enters the mode
         #     and dispatches the operation again from the top: for a view, ten times what making it costs. A view,
         #     detach, copy_, clone or new_zeros of a fake tensor of modattrs' modes that the mode makes itself
-        #     (ModattrsFakeTensorMode.takes_short_path) goes to the mode's handler at once, as an entered mode would
-        #     get it; every other operation, and every other fake tensor, goes to torch's method.
+        #     (ModattrsFakeTensorMode.takes_short_path; a construction-time constant's too) goes to the mode's
+        #     handler at once, as an entered mode would get it; a tensor's device, which torch's C++ asks for each
+        #     view it makes, is answered as torch's method answers it; every other operation, and every other fake
+        #     tensor, goes to torch's method.
         original = vars(FakeTensor)["__torch_dispatch__"]
         FakeTensor.__torch_dispatch__ = _short_paths_outside_the_mode(original)  # type: ignore[method-assign,assignment]
         _replaced.append(_Replaced(FakeTensor, "__torch_dispatch__", original, inherited=False))
@@ -389,7 +391,12 @@ def _short_paths_outside_the_mode(original: classmethod[Any, Any, Any]) -> class
     def __torch_dispatch__(
         cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:  # as torch calls it
-        if args and func is not _DEVICE_OF:  # a tensor's device: torch's method answers it first thing
+        if func is _DEVICE_OF:
+            # A tensor's device, which torch's C++ asks of a fake tensor for each view it makes (twice per result of
+            # a split outside the mode): answered as torch's method answers it, first thing, without its frames.
+            if len(args) == 1 and type(args[0]) is FakeTensor:
+                return args[0].device  # FakeTensor.device: what torch's method returns for prim.device
+        elif args:
             first = args[0]
             if type(first) is FakeTensor:
                 mode = first.fake_mode

@@ -538,3 +538,40 @@ def test_a_deep_copy_of_real_tensors_inside_fake_mode_is_a_fake_copy_keeping_the
         assert copied_large.shape == (5000,)
 
     assert real.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def _padded_shard(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FSDP2's cut of a small weight: a shard of it, a padded copy of the shard, and a view of the copy."""
+    shard = weight.narrow(0, 2, 3)
+    padded = weight.new_zeros(4)
+    padded[:3].copy_(shard)
+    return shard, padded, padded.view(2, 2)
+
+
+def test_a_constant_cut_outside_its_fake_mode_keeps_the_values_it_keeps_inside() -> None:
+    with fake_mode() as mode:
+        inside = _padded_shard(torch.arange(8.0))
+        weight = torch.arange(8.0)
+
+    outside = _padded_shard(weight)
+
+    with mode:
+        expected = [
+            torch.tensor([2.0, 3.0, 4.0]),
+            torch.tensor([2.0, 3.0, 4.0, 0.0]),
+            torch.tensor([[2.0, 3.0], [4.0, 0.0]]),
+        ]
+        assert [torch.equal(t, e) for t, e in zip(inside, expected, strict=True)] == [True] * 3
+        assert [torch.equal(t, e) for t, e in zip(outside, expected, strict=True)] == [True] * 3
+    assert all(is_fake(t) for t in outside)
+
+
+def test_a_constant_written_outside_its_fake_mode_from_a_tensor_without_values_forgets_them() -> None:
+    with fake_mode() as mode:
+        weight = torch.arange(8.0)
+        noise = torch.empty(8).normal_()
+
+    weight.narrow(0, 0, 4).copy_(noise[:4])
+
+    with mode, pytest.raises(Exception, match="needs the values of a fake tensor"):
+        float(weight.sum())

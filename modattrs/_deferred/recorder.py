@@ -146,11 +146,20 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         if depth:
             return super().__torch_dispatch__(func, types, args, kwargs)
         kwargs = kwargs or {}
+        facts = _facts_of(func)
         with generator.lock:
-            random = _RANDOM.get(func)
-            if random is None:
-                random = _RANDOM[func] = torch.Tag.nondeterministic_seeded in func.tags
-            pending = self._begin(func, args, kwargs, _mutated_arguments(func, args, kwargs), random=random)
+            # A view of one fake tensor given nothing else but plain values (a detach, a narrow, a split: most of
+            # FSDP2's cutting) is known by its argument's key alone until it runs: its result may be that argument
+            # (Note [Views that are their argument]), which the record does not write down, so the rest of what an
+            # operation's entry needs is worked out after it ran, and only if it is written down. A view writes
+            # nothing, so its arguments are the same after it as before.
+            viewed = _viewed_alone(facts, args, kwargs)
+            pending = None
+            if viewed is None:
+                mutated = _mutated_arguments(facts, args, kwargs)
+                pending = self._begin(func, facts, args, kwargs, mutated, random=facts.random)
+            else:
+                viewed_key = self._ref_of(viewed, func)[1]
             self._depth.n = 1
             needs_values = False
             try:
@@ -180,12 +189,22 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 self._depth.n = 0
             if needs_values:
                 raise _needs_values(callable_name(func))
-            if isinstance(func, OpOverload) and func.is_view and args and isinstance(args[0], FakeTensor):
+            if facts.view and args and isinstance(args[0], FakeTensor):
                 source = address_of(args[0])
-                for leaf in _leaves(result):
+                leaves = _leaves(result)
+                view_sources = self._view_sources
+                for leaf in leaves:
                     if isinstance(leaf, FakeTensor):
-                        self._view_sources[address_of(leaf)] = source
-            self._finish(pending, result)
+                        view_sources[address_of(leaf)] = source
+            result_key = None
+            if viewed is not None:
+                if type(result) is FakeTensor and result.layout is torch.strided:
+                    result_key = self._key_of(result)
+                    if result_key == viewed_key:
+                        return result  # see Note [Views that are their argument]
+                pending = self._begin(func, facts, args, kwargs, (), random=facts.random)
+            assert pending is not None
+            self._finish(pending, result, result_key)
         return result
 
     @contextlib.contextmanager
@@ -210,7 +229,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         """Record ``func(*args, **kwargs)`` as one call that writes ``target`` in place, without running it (a
         constant it writes forgets its values, as in fake mode)."""
         with generator.lock:
-            pending = self._begin(func, args, kwargs, (target,), random=True)
+            pending = self._begin(func, _facts_of(func), args, kwargs, (target,), random=True)
             self._finish(pending, target)
         return super().opaque_call(func, args, kwargs, target)
 
@@ -260,6 +279,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
     def _begin(
         self,
         func: Callable[..., Any],
+        facts: _Facts,
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
         mutated: Sequence[torch.Tensor],
@@ -314,12 +334,13 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 real = self._real_views[slot.storage]
                 raise _writes_real(func, real._replace(text=f"a view of {real.text}"))
         viewed = None
-        if isinstance(func, OpOverload) and func.is_view and func not in _LIFTS:
+        if facts.view and not facts.lift and constant_slots:
             viewed = next((self._real(c.tensor) for c in constant_slots if c.index == 0), None)
         draws = Draws.NONE if not random else Draws.EXPLICIT if generators else Draws.DEFAULT
-        value_writer = not isinstance(func, OpOverload) or func in _VALUE_WRITERS
+        value_writer = facts.value_writer
         return _Pending(
             func=func,
+            facts=facts,
             flat=flat,
             spec=spec,
             plain=plain,
@@ -339,7 +360,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             viewed=viewed,
         )
 
-    def _same_tensor(self, pending: _Pending, result: Any) -> bool:
+    def _same_tensor(self, pending: _Pending, result: Any, result_key: Key | None) -> bool:
         """Whether ``result`` is, to the record, the one fake tensor its view operation was given: in the same
         place, with the same geometry (``detach``, ``alias``, a ``view`` to the same sizes).
 
@@ -351,11 +372,12 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         ``fully_shard`` each shard and takes all of an even one (two fifths of the operations of a model sharded over
         64 ranks), and every replay would run them, and each pass over the record step over them.
         """
-        func = pending.func
-        if not isinstance(func, OpOverload) or not func.is_view or len(pending.keys) != 1 or pending.constant_slots:
+        if not pending.facts.view or len(pending.keys) != 1 or pending.constant_slots:
             return False
         if pending.mutated or pending.draws is not Draws.NONE or pending.device_slots:
             return False
+        if result_key is not None:  # worked out by the caller, for ``result``
+            return result_key == pending.keys[0]
         return (
             isinstance(result, FakeTensor)
             and result.layout is torch.strided
@@ -405,15 +427,17 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         shared = self._handed_memory.get(address_of(tensor.untyped_storage()))
         return _Real(text, None) if shared is None else _Real(f"{text} sharing memory with {shared.text}", shared.name)
 
-    def _finish(self, pending: _Pending, result: Any) -> None:
-        """Name the results, then append the operation, noting what it drew from."""
-        if self._same_tensor(pending, result):
+    def _finish(self, pending: _Pending, result: Any, result_key: Key | None = None) -> None:
+        """Name the results, then append the operation, noting what it drew from. ``result_key``: the key of
+        ``result``, a fake tensor, if the caller worked it out."""
+        if self._same_tensor(pending, result, result_key):
             return  # see Note [Views that are their argument]
         for slot, key, tensor in pending.written_fakes:
             if self._key_of(tensor) != key:
                 self._keep_place(slot, key)
-        out_refs, writes, device = self._name_results(pending, result)
-        if is_collective(pending.func):
+                result_key = None  # its place moved: worked out again
+        out_refs, writes, device = self._name_results(pending, result, result_key)
+        if pending.facts.collective:
             # c10d's schemas do not mark the tensors they fill as written: they come back as results, with their
             # argument's ref. Written they are, whatever else views their storage (a scatter into a row of a weight).
             writes = writes.union([slot.storage for slot in pending.slots if slot.ref in out_refs])
@@ -455,16 +479,16 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             _advance(op, dict(pending.generators))  # so the generator object ends where eager code leaves it
         elif pending.draws is Draws.DEFAULT and device is not None and device.type == "cpu":
             op.reset = generator.reset_before_draw(self.record)
-            self._append(op)
+            self._append(op, pending.facts)
             generator.drew(self.record)
             if not recording_in_this_thread():  # initialization of a deferred module: as eager code draws, now
                 generator.settle(self.record, state_after)
             return
         elif pending.draws is Draws.DEFAULT:
             op.reset = generator.reset_for_other_device(self.record)
-        self._append(op)
+        self._append(op, pending.facts)
 
-    def _append(self, op: Op) -> None:
+    def _append(self, op: Op, facts: _Facts | None = None) -> None:
         """Append ``op`` to the record, noting what replays would otherwise find in a pass over the record: the
         devices it names and whether it is a collective (``replay._check_devices``, ``replay._refuse_collectives``),
         whether it draws from a default generator and from a reset (``generator.Walk``), the storages it touches
@@ -472,10 +496,12 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         factory that fills what it makes (``replay._dead_fills``). Each replay, and each draw recorded after
         ``deferred_init`` returned, then costs what it uses of the record, not a pass over all of it."""
         record, index = self.record, len(self.record.ops)
+        facts = facts or _facts_of(op.func)
         op.call = call_of(op)
         record.devices.update([slot.device for slot in op.slots])
-        record.devices.update([op.flat[position] for position in op.device_slots])
-        if is_collective(op.func):
+        if op.device_slots:
+            record.devices.update([op.flat[position] for position in op.device_slots])
+        if facts.collective:
             record.collectives.append(index)
         if op.draws is Draws.DEFAULT:
             record.default_draws.append(index)
@@ -488,7 +514,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                     record.cpu_resets.append(index)
         if op.pinned:
             record.pinned.append(index)
-        if op.func in UNFILLED:
+        if facts.unfilled:
             record.filling_factories.append(index)
         for storage in op.touched:
             record.touching.setdefault(storage, []).append(index)
@@ -500,19 +526,26 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         record.ops.append(op)
 
     def _name_results(
-        self, pending: _Pending, result: Any
+        self, pending: _Pending, result: Any, result_key: Key | None
     ) -> tuple[tuple[int | None, ...], frozenset[int], torch.device | None]:
         """Give each fake tensor in ``result`` its ref (a new one, or its argument's if written in place), and find
-        the storages written and the device the operation ran on."""
+        the storages written and the device the operation ran on. ``result_key``: the key of ``result``, a fake
+        tensor, if the caller worked it out."""
         record = self.record
         out_refs: list[int | None] = []
         writes = {slot.storage for slot in pending.slots if slot.written}
         device: torch.device | None = None
-        for leaf in _leaves(result):
+        leaves = _leaves(result)
+        # The results of one view operation of one tensor (a split's, FSDP2's chunks: as many as ranks) view its
+        # storage, in its dtype and with its conjugate and negative bits: those parts of their keys are the first
+        # one's, and only where each lies in the storage is asked of each.
+        shared: tuple[int, torch.dtype, bool, bool] | None = None
+        alike = pending.facts.view and len(leaves) > 1 and pending.viewed is None and len(pending.slots) == 1
+        for leaf in leaves:
             if not isinstance(leaf, FakeTensor):
                 out_refs.append(None)
                 continue
-            if leaf.layout is not torch.strided:
+            if shared is None and leaf.layout is not torch.strided:  # the others view what the first views
                 raise DeferredInitError(
                     f"{callable_name(pending.func)} made a {leaf.layout} tensor, and deferred_init records strided "
                     f"tensors only.\nwhere: {where()}\nMake this one after materialize_module"
@@ -520,12 +553,20 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             device = device or leaf.device
             if pending.viewed is not None:
                 self._real_views.setdefault(self._storage_of(leaf), pending.viewed)
-            key = self._key_of(leaf)
+            if shared is not None:
+                storage, dtype, conj, neg = shared
+                key = (storage, int(leaf.storage_offset()), tuple(leaf.shape), tuple(leaf.stride()), dtype, conj, neg)
+            elif leaf is result and result_key is not None:
+                key = result_key
+            else:
+                key = self._key_of(leaf)
+                if alike:
+                    shared = (key[0], key[4], key[5], key[6])
             ref = pending.arg_refs.get(id(leaf))
             if ref is None:
                 ref = record.next_ref
                 record.next_ref += 1
-                record.layouts[ref] = Layout(*key[:5])
+                record.layouts[ref] = Layout(key[0], key[1], key[2], key[3], key[4])
             elif id(leaf) in pending.mutated:
                 writes.add(key[0])  # set_ and resize_ move it to another storage
             record.keys[key] = ref
@@ -710,6 +751,7 @@ _LOGGING = os.path.dirname(logging.__file__) + os.sep
 @dataclass(slots=True, kw_only=True)
 class _Pending:
     func: Callable[..., Any]
+    facts: _Facts
     flat: list[Any]
     spec: TreeSpec
     plain: Plain | None
@@ -943,7 +985,7 @@ def _promotion_replayed(pending: _Pending, operands: tuple[int, ...], results: l
 def _reads(pending: _Pending) -> frozenset[int]:
     """The storages whose values an operation reads: a view reads none (what it views is written later, or
     before, by operations that count), an overwrite does not read what it overwrites."""
-    if isinstance(pending.func, OpOverload) and pending.func.is_view:
+    if pending.facts.view:
         return frozenset()
     return frozenset(slot.storage for slot in pending.slots if slot.storage not in pending.overwrites)
 
@@ -1039,17 +1081,67 @@ def _reads_values(pending: _Pending) -> bool:
     )
 
 
-_MUTATED: dict[Any, tuple[tuple[int, str], ...]] = {}
-_RANDOM: dict[Any, bool] = {}  # whether an operator draws, by operator: its tags are a list built at each ask
+class _Facts(NamedTuple):
+    """What the recorder asks of an operator for each call, worked out once (``_facts_of``)."""
+
+    func: object  # held, so that its id, the key of _FACTS, names it for good
+    random: bool  # it draws: its tags say nondeterministic_seeded (a list built at each ask)
+    written: tuple[tuple[int, str], ...]  # the arguments its schema marks as written: (position, name)
+    view: bool  # an aten view operation
+    lift: bool  # in _LIFTS
+    value_writer: bool  # in _VALUE_WRITERS, or an opaque function
+    collective: bool  # replay.is_collective
+    unfilled: bool  # a factory that fills what it makes (replay.UNFILLED)
 
 
-def _mutated_arguments(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+#: By the id of the operator: an OpOverload hashes in Python code, as dear as the rest of a look-up.
+_FACTS: dict[int, _Facts] = {}
+
+
+def _facts_of(func: Any) -> _Facts:
+    facts = _FACTS.get(id(func))
+    if facts is not None and facts.func is func:
+        return facts
+    aten = isinstance(func, OpOverload)
+    facts = _FACTS[id(func)] = _Facts(
+        func=func,
+        random=aten and torch.Tag.nondeterministic_seeded in func.tags,
+        written=written_arguments(func) if aten else (),
+        view=aten and func.is_view,
+        lift=aten and func in _LIFTS,
+        value_writer=not aten or func in _VALUE_WRITERS,
+        collective=is_collective(func),
+        unfilled=aten and func in UNFILLED,
+    )
+    return facts
+
+
+def _viewed_alone(facts: _Facts, args: Sequence[Any], kwargs: Mapping[str, Any]) -> FakeTensor | None:
+    """The fake tensor a view operation is given, if it is given that one strided fake tensor first and plain
+    values else (no other tensor, device, generator, storage), with no argument written; else None."""
+    if not facts.view or facts.written or not args:
+        return None
+    first = args[0]
+    if type(first) is not FakeTensor or first.layout is not torch.strided:
+        return None
+    for value in (*args[1:], *kwargs.values()):
+        kind = type(value)
+        if kind in _PLAIN_VALUES:
+            continue
+        if (kind is list or kind is tuple) and all(type(item) in _PLAIN_VALUES for item in value):
+            continue
+        return None
+    return first
+
+
+# What a view operation may be given besides its tensor and still be known by that tensor alone.
+_PLAIN_VALUES = frozenset({int, float, bool, type(None), torch.dtype, torch.memory_format})
+
+
+def _mutated_arguments(facts: _Facts, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
     """The tensors that an aten operation writes in place, from its schema."""
-    written = _MUTATED.get(func)
-    if written is None:
-        written = _MUTATED[func] = written_arguments(func)
     tensors: list[torch.Tensor] = []
-    for index, name in written:
+    for index, name in facts.written:
         value = args[index] if index < len(args) else kwargs.get(name)
         if isinstance(value, torch.Tensor):
             tensors.append(value)

@@ -70,6 +70,7 @@ from modattrs._torch_private import (
     forget_constant_aliases,
     has_constant_aliases,
     in_kernel,
+    meta_alias,
     normalize_fake_device,
     note_constant_alias,
     operator_arguments,
@@ -366,7 +367,7 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         if id(func) in _LIKE_FIRST and self._like_first(first, args, kwargs):
             assert isinstance(first, FakeTensor)
             made = {name: value for name, value in kwargs.items() if name != "device"}  # its own: meta below
-            return self._wrap(call_as_meta(self, func, *args, **made), first.device)
+            return self._wrap(call_as_meta(self, func, meta_alias(first), *args[1:], **made), first.device)
         if route is _DETACH and type(first) is FakeTensor and first.fake_mode is self:
             if first.constant is not None:
                 _forget_constant(self, first)
@@ -451,16 +452,25 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         """Whether ``func`` on these arguments, whose first is a fake tensor of this mode, is a view or a detach that
         this mode makes without torch's fake kernels, and without the mode entered: from the outside, a fake tensor's
         operation enters its mode and dispatches again (``FakeTensor.__torch_dispatch__``), which cost FSDP2's
-        cutting of a deferred parameter more than the cut (see ``_torch_changes``, change 13)."""
+        cutting of a deferred parameter more than the cut (see ``_torch_changes``, change 13).
+
+        Such an operation given a fake holding a constant (FSDP2's padded shard of a norm weight, ``new_zeros`` of
+        a few elements) goes to this mode's handler too, as the entered mode would get it, where the constant's
+        values are kept right (``_run_both``, ``_run_forgetting``), when its tensors are all fakes of this mode."""
         first = args[0]
-        if first.constant is not None or in_kernel(self) or self._attributes(first.device) is None:
+        if in_kernel(self) or self._attributes(first.device) is None:
             return False
         route = _ROUTE.get(id(func))
+        like_first = id(func) in _LIKE_FIRST
+        if first.constant is not None or (route is _COPY and _holds_constant(args)):
+            return (route is _VIEW or route is _DETACH or route is _COPY or like_first) and _own_fakes_only(
+                self, args, kwargs
+            )
         if route is _VIEW or route is _DETACH:
             return not _other_tensors(args, kwargs)
         if route is _COPY:
             return self._plain_copy(args, kwargs)
-        return id(func) in _LIKE_FIRST and self._like_first(first, args, kwargs or {})
+        return like_first and self._like_first(first, args, kwargs or {})
 
     def _plain_copy(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> bool:
         """Whether ``copy_(*args, **kwargs)`` writes values only, and would succeed in eager code: between fakes of
@@ -502,7 +512,8 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         attributes = self._attributes(device)
         if attributes is None:
             return None
-        result: Any = call_as_meta(self, func, *args, **(kwargs or {}))  # a split's is a list
+        # on a plain alias of ``first``: the kernel's questions about its device stay in C++ (see meta_alias)
+        result: Any = call_as_meta(self, func, meta_alias(first), *args[1:], **(kwargs or {}))  # a split's is a list
         if type(result) is list or type(result) is tuple:
             return [wrap_meta(self, meta, device, attributes) for meta in result]
         return wrap_meta(self, result, device, attributes)
@@ -682,6 +693,22 @@ def _other_tensors(args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> boo
     return any(isinstance(value, torch.Tensor) for value in args[1:]) or bool(
         kwargs and any(isinstance(value, torch.Tensor) for value in kwargs.values())
     )
+
+
+def _holds_constant(args: Sequence[Any]) -> bool:
+    """Whether a fake tensor holding a constant is among ``args``."""
+    return any(type(value) is FakeTensor and value.constant is not None for value in args)
+
+
+def _own_fakes_only(mode: FakeTensorMode, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> bool:
+    """Whether every tensor among the arguments is a fake tensor of ``mode``, none of them in a list."""
+    for value in (*args, *(kwargs or {}).values()):
+        if isinstance(value, torch.Tensor):
+            if type(value) is not FakeTensor or value.fake_mode is not mode:
+                return False
+        elif (type(value) is list or type(value) is tuple) and any(isinstance(item, torch.Tensor) for item in value):
+            return False
+    return True
 
 
 def _plain_fake(tensor: object, mode: FakeTensorMode) -> bool:
