@@ -81,11 +81,8 @@ extension, 15M without) or with one thread the operation runs once, on
 ``out``. That threshold counts outputs,
 not time, so it is conservative for kernels that spend more per output (``normal_``'s transforms, ``PAIRS``). The
 threads are kept from call to call (a new thread's first jump costs about 90 ms more, setting up OpenMP and MKL) and
-take torch's intra-op thread count. Measured (``benchmarks/parallel_draws.py``, torch 2.13, float32, 2 cores shared
-with other jobs): 2 threads take 1.07 to 1.4 times the CPU of the whole operation on one, mostly the jump; when the
-second core was free (two halves at once 1.9x as fast as the whole), 2 threads were 1.33x as fast on 20M uniforms and
-1.8x on 100M normals, and from the CPU times of each part, 2 idle cores would give 1.35x to 1.7x on 20M elements and
-1.8x to 1.9x on 100M; when it was not, 2 threads were up to 1.4x slower (the jump's extra CPU).
+take torch's intra-op thread count (``benchmarks/parallel_draws.py`` measures what they gain:
+``docs/benchmarks.rst``).
 
 Not modelled (``pattern`` returns ``None``; the caller draws through the operation as today):
 

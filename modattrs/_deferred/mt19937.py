@@ -63,45 +63,14 @@ Either way the last 256 powers ``x^M mod p`` computed are kept, by ``M``, bit-pa
 all): a distance jumped again from the same place in a block (identical layers make the same jumps) skips the
 power and pays only the stream and its sums.
 
-Costs measured on the development machine (AMD EPYC, 2 cores shared with other jobs, torch 2.13.0 CPU with
-``torch.set_num_threads(1)``; best of 5 to 9 runs, CPU time), from a state mid-block, jumping by ``k`` outputs: a
-fresh distance (``x^M mod p`` computed) and a repeated one (it cached), with the C routines and with the torch path
-(``benchmarks/generator_jump.py`` measures them):
-
-=========  ==========  ==========  ===========  ===========  =========================
-``k``      C, fresh    C, again    torch,       torch,       drawing
-                                   fresh        again
-=========  ==========  ==========  ===========  ===========  =========================
-10         0.010 ms    0.008 ms    0.012 ms     0.010 ms     0.025 ms
-1,000      0.011 ms    0.010 ms    0.085 ms     0.082 ms     0.027 ms
-10^5       0.058 ms    0.031 ms    8.6 ms       4.8 ms       0.24 ms
-10^6       0.080 ms    0.033 ms    10 ms        4.8 ms       2.2 ms
-5 * 10^6   0.095 ms    0.033 ms    11 ms        5 ms         11 ms
-2^23       0.10 ms     0.033 ms    12 ms        4.9 ms       18 ms
-2^32       0.17 ms     0.033 ms    19 ms        5 ms         9 s (extrapolated)
-2^40       0.22 ms     0.033 ms    22 ms        5 ms         40 min (extrapolated)
-2^64       0.40 ms     0.033 ms    41 ms        4.6 ms       2,400 years (extrapolated)
-2^128      0.86 ms     0.033 ms    80 ms        5 ms
-=========  ==========  ==========  ===========  ===========  =========================
-
-With the C routines (this CPU has AVX-512 and VPCLMULQDQ) a jump costs about 0.03 ms plus 7 us per bit of ``k``
-beyond 14 (the worst case, ``k`` of 19,937 bits or more, about 0.15 s), and 0.033 ms for a repeated distance (0.01
-ms up to 30 blocks, where ``x^M mod p`` has few terms; of the 0.033 ms, the sums take 0.02 and Python 0.01); the
-first one in a process about 0.6 ms. Their methods for other CPUs (``modattrs._speedups.mt19937_methods()`` names
-those a CPU has) take, for the sums of a far jump, 0.035 ms (AVX2 and VPCLMULQDQ), 0.07 ms (PCLMULQDQ) or 0.29 ms
-(none of them), and for the power 10 us (AVX2) or 25 us per bit of ``k``. With the torch path alone a jump costs
-about 8 ms plus 0.6 ms per bit of ``k`` beyond 14 (the worst case about 12 s), 5 ms for a repeated distance, and
-the first one in a process also builds the FFT tables (about 0.05 to 0.15 s); well under 0.1 ms up to 30 blocks.
-Drawing costs 2.15 ns per output, plus 0.025 ms. So with the C routines a jump costs less than drawing at any
-distance past the current block (0.010 ms against 0.025 ms for drawing 700 outputs), and ``jumped_state`` always
-jumps: ``DRAWING_CROSSOVER`` is 0; with the torch path alone they meet at about 5,000,000 outputs, and
-``DRAWING_CROSSOVER`` is that. A jump to a far distance costs what drawing 15,000 (repeated) to 80,000 (fresh, up
-to ``2^32``) outputs costs with carry-less multiplication, 140,000 to 370,000 without: ``FAR_JUMP_COST`` says so.
+What each costs (``benchmarks/generator_jump.py`` measures it; ``docs/benchmarks.rst``, "Jumping the generator",
+has the figures): with the C routines a jump costs less than drawing at any distance past the current block, so
+``jumped_state`` always jumps (``DRAWING_CROSSOVER`` is 0); with the torch path alone drawing is cheaper up to a few
+million outputs, and ``DRAWING_CROSSOVER`` is that. ``FAR_JUMP_COST`` is what a far jump costs, in outputs drawn.
 
 The torch path's FFTs run on torch's intra-op threads (MKL), as many as the process gives torch: a jump never changes
 that count, which is process-wide (another thread's matmul would run on the count a jump set). With more busy
-threads than cores each FFT can wait for a scheduler time slice: with 2 threads on this machine under a load of
-about 3, jumps of 3 to 8 million outputs took 45 to 110 ms instead of 11. Processes that share a machine (one per
+threads than cores each FFT can wait for a scheduler time slice. Processes that share a machine (one per
 rank) are best run with fewer threads anyway (``torch.set_num_threads``, the caller's choice). The results do not
 depend on the count. The C routines use no torch threads and release the GIL: jumps in several threads run at
 once.
