@@ -46,3 +46,19 @@ def test_a_training_step_of_torchtitans_llama3_on_deferred_weights_is_the_eager_
         assert eager_shards.keys() == deferred_shards.keys()
         for name, shard in deferred_shards.items():
             assert torch.equal(shard, eager_shards[name]), f"rank {rank}: {name} after the step differs"
+
+
+def test_torchtitans_models_on_fsdp2_gloo_ranks_have_every_local_byte_written_by_init_weights_under_the_ledger(
+    tmp_path: Path,
+) -> None:
+    """Meta build, torchtitan's parallelize (FSDP2 over 2 gloo ranks), to_empty, init_weights, under the write
+    ledger: every tensor of each rank written; without init_weights, every tensor flagged, the embedding by the
+    bytes of the rank's own shard."""
+    for rank, flows in enumerate(ranks.run_ranks(WORKER, ["ledger"], tmp_path, 2, TIMEOUT)):
+        for model in ("llama3", "deepseek_v3"):
+            initialized = flows[f"{model}, initialized"]
+            assert initialized["problems"] == [], (rank, model, initialized["problems"])
+            assert set(initialized["statuses"].values()) <= {"initialized", "computed"}, (rank, model)
+            skipped = flows[f"{model}, not initialized"]
+            assert skipped["problems"] == skipped["tensors"], (rank, model)
+            assert skipped["embedding unwritten"] == ((0, skipped["embedding bytes"]),), (rank, model)

@@ -1,4 +1,5 @@
-"""One rank of tests/test_torchtitan_gloo.py: `python torchtitan_workers.py LAYOUT OUTPUT_DIR`, LAYOUT like `tp=2`.
+"""One rank of tests/test_torchtitan_gloo.py: `python torchtitan_workers.py LAYOUT OUTPUT_DIR`, LAYOUT like `tp=2`, or
+`python torchtitan_workers.py ledger OUTPUT_DIR` for the write ledger's flows (``ledger_flows``).
 
 torchtitan's Llama3 is parallelized by its own ``parallelize_llama`` on a 4-rank gloo world twice: once deferred
 (``deferred_init`` of the model and its ``init_weights()``, then ``materialize_module``) and once built and
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from modattrs.deferred import deferred_init, is_deferred, materialize_module
+from modattrs.ledger import watch
 from tests import torchtitan_models as titan
 from tests.support.ranks import run_as_rank
 
@@ -87,12 +89,49 @@ def run(layout: dict[str, int]) -> dict[str, Any]:
     }
 
 
+LEDGER_CONFIGS = {
+    "llama3": lambda: titan.llama3_config(layers=1, dim=16, heads=2, vocab=256),
+    "deepseek_v3": lambda: titan.deepseek_v3_config(ep=False),
+}
+
+
+def ledger_flows() -> dict[str, Any]:
+    """torchtitan trainer's order under the write ledger, for each model: build on meta, ``parallelize`` (FSDP2 over
+    every rank), ``to_empty``, then ``init_weights`` or not; what the report says of each tensor of this rank."""
+    titan.use_cpu_meshes()
+    found: dict[str, Any] = {}
+    for name, make in LEDGER_CONFIGS.items():
+        for initialize in (True, False):
+            with watch() as ledger:
+                with torch.device("meta"):
+                    model: nn.Module = make().build()
+                model = titan.parallelize(model, titan.parallel_dims(dist.get_world_size()))
+                model.to_empty(device="cpu")
+                if initialize:
+                    with torch.no_grad():
+                        model.init_weights(buffer_device=torch.device("cpu"))  # type: ignore[operator]
+            report = ledger.report(model)
+            embedding = model.get_parameter("tok_embeddings.weight")
+            assert isinstance(embedding, DTensor)
+            local = embedding.to_local()
+            found[f"{name}, {'initialized' if initialize else 'not initialized'}"] = {
+                "statuses": {entry.name: entry.status for entry in report},
+                "problems": sorted(entry.name for entry in report.problems),
+                "tensors": sorted(name for name, _ in [*model.named_parameters(), *model.named_buffers()]),
+                "embedding unwritten": report["tok_embeddings.weight"].ranges("unwritten"),
+                "embedding bytes": local.numel() * local.element_size(),
+            }
+    return found
+
+
 def main() -> None:
-    layout = {axis: int(degree) for axis, degree in (item.split("=") for item in sys.argv[1].split(","))}
     output = Path(sys.argv[2])
     dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     try:
-        result = run(layout)
+        if sys.argv[1] == "ledger":
+            result = ledger_flows()
+        else:
+            result = run({axis: int(degree) for axis, degree in (item.split("=") for item in sys.argv[1].split(","))})
         torch.save(result, output / f"rank{dist.get_rank()}.pt")
         dist.barrier()
     finally:
