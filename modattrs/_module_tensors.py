@@ -3,7 +3,8 @@ tensors made to take another's place."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,3 +101,41 @@ def parameter_like(data: torch.Tensor, old: torch.Tensor) -> nn.Parameter:
 def without_data(tensor: object) -> bool:
     """Whether ``tensor`` is a tensor with a device and no data there: on the meta device, or fake."""
     return isinstance(tensor, torch.Tensor) and (tensor.is_meta or isinstance(tensor, FakeTensor))
+
+
+# Note [Writes no dispatch mode sees]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# materialize_module replays deferred initialization below every dispatch mode (it steps out of the caller's modes
+# on purpose: a replay computes what eager construction computed, whatever mode the caller is in), so a write
+# ledger watching the caller's thread never sees the values it computes. It announces the tensors it put in place
+# of fake ones, with what made them, to the listeners of its thread: a watching ledger labels their bytes. Nothing
+# listens unless a ledger watches, and an announcement then costs a dictionary look-up.
+
+#: Called with the tensors written and the operation that wrote them (its public name).
+WriteListener = Callable[[Sequence[torch.Tensor], str], None]
+
+_listeners: dict[int, list[WriteListener]] = {}  # by thread
+_listeners_lock = threading.Lock()
+
+
+def listen_for_writes(listener: WriteListener) -> None:
+    """Have ``listener`` told of the writes this thread makes below every dispatch mode."""
+    with _listeners_lock:
+        _listeners.setdefault(threading.get_ident(), []).append(listener)
+
+
+def stop_listening_for_writes(listener: WriteListener) -> None:
+    with _listeners_lock:
+        listeners = _listeners.get(threading.get_ident(), [])
+        if listener in listeners:
+            listeners.remove(listener)
+        if not listeners:
+            _listeners.pop(threading.get_ident(), None)
+
+
+def announce_written(tensors: Sequence[torch.Tensor], operation: str) -> None:
+    """Tell this thread's listeners that ``operation`` wrote all of ``tensors`` (see Note [Writes no dispatch mode
+    sees])."""
+    listeners = _listeners.get(threading.get_ident())
+    for listener in list(listeners or ()):
+        listener(tensors, operation)

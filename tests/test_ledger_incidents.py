@@ -224,16 +224,30 @@ def test_a_virtual_tensor_needs_no_write_after_to_empty_and_a_shaped_tensor_is_c
     ledger.report(model).check()
 
 
-def test_a_deferred_model_materialized_inside_a_watch_is_unseen_not_unwritten_and_keeps_its_tie() -> None:
-    # materialize_module replays below every dispatch mode (it steps out of the caller's modes on purpose), so the
-    # ledger sees the real tensors only once swapped in: made out of its sight, with no byte left unwritten.
+def test_a_deferred_model_materialized_inside_a_watch_is_initialized_by_materialize_module_and_keeps_its_tie() -> None:
+    # materialize_module replays below every dispatch mode (it steps out of the caller's modes on purpose), and
+    # announces what it put in place: every byte is labelled by it, at the line that called it.
     with watch() as ledger:
         model = deferred_init(incidents.RotaryDecoder, tie=True)
         materialize_module(model)
     report = ledger.report(model)
     report.check()
     assert report["head.weight"].status == "tied"
-    assert {entry.status for entry in report if entry.name != "head.weight"} == {"unseen"}
+    entries = [entry for entry in report if entry.name != "head.weight"]
+    assert {entry.status for entry in entries} == {"initialized"}
+    written_by = {part.what for entry in entries for part in entry.parts}
+    assert len(written_by) == 1, written_by
+    (what,) = written_by
+    assert what.startswith("materialize_module at "), what
+    assert "test_ledger_incidents.py" in what, what
+
+
+def test_a_deferred_model_materialized_outside_a_watch_is_unseen() -> None:
+    model = deferred_init(incidents.RotaryDecoder)
+    with watch() as ledger:
+        pass
+    materialize_module(model)
+    assert {entry.status for entry in ledger.report(model)} == {"unseen"}
 
 
 def test_a_deferred_model_not_yet_materialized_holds_no_data() -> None:

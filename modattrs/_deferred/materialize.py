@@ -15,7 +15,7 @@ from modattrs._deferred.record import DeferredInitError
 from modattrs._deferred.recorder import RecordingFakeTensorMode, value_read_errors
 from modattrs._deferred.replay import replay
 from modattrs._fake import spoofed_cuda
-from modattrs._module_tensors import join, own_tensors, user_attributes
+from modattrs._module_tensors import announce_written, join, own_tensors, user_attributes
 from modattrs._names import in_library
 from modattrs._torch_private import (
     FakeTensor,
@@ -104,7 +104,10 @@ def _replay_and_swap(
         except BaseException:
             torch.default_generator.set_state(saved)
             raise
+        made_real = [tensor for _, tensor, _ in swaps]  # each swapped in place: real once _swap is done
         _swap(swaps)
+        announce_written(made_real, "materialize_module")  # see Note [Writes no dispatch mode sees]
+        del made_real
     # Cached virtual values need no refreshing: a value computed from fake tensors is kept only for the fake mode it
     # was read in, never for a real reference (_cache._keepable), so nothing kept can outlive the swap.
     if root_mode is not None and module is not None:

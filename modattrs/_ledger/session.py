@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -12,9 +13,10 @@ from torch import nn
 
 from modattrs._ledger import sources
 from modattrs._ledger.intervals import byte_runs
-from modattrs._ledger.provenance import LOADED, Where, Write
+from modattrs._ledger.provenance import INITIALIZED, LOADED, Where, Write, user_line
 from modattrs._ledger.storages import StorageTable
 from modattrs._ledger.tracking import LedgerMode
+from modattrs._module_tensors import listen_for_writes, stop_listening_for_writes
 from modattrs._torch_private import FakeTensor, imported_dtensor_type
 from modattrs._torch_private import dtensor_local as _dtensor_local
 
@@ -85,15 +87,27 @@ class Session:
         except BaseException:
             sources.stop(self)
             raise
+        listen_for_writes(self.written_unseen)
         self.active = True
 
     def stop(self) -> None:
         try:
             self.mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         finally:
+            stop_listening_for_writes(self.written_unseen)
             self.active = False
             sources.stop(self)
             self.table.sweep()
+
+    def written_unseen(self, tensors: Sequence[torch.Tensor], operation: str) -> None:
+        """``operation`` wrote all of ``tensors`` below every dispatch mode (materialize_module's replay: see Note
+        [Writes no dispatch mode sees] in ``modattrs._module_tensors``): initialized by it, at the user's line."""
+        label = Write(INITIALIZED, operation, user_line())
+        with self._lock:
+            for tensor in tensors:
+                local = local_data(tensor)
+                if local is not None:
+                    self.table.write(local, byte_runs(local), label)
 
     def loaded(self, tensor: torch.Tensor, key: str, op: str, where: Where | None) -> None:
         local = local_data(tensor)
