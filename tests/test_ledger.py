@@ -332,3 +332,20 @@ def test_importing_the_ledger_changes_nothing_in_torch() -> None:
         "assert (torch.load, nn.Module.load_state_dict, nn.Module._apply, safetensors.safe_open) == before\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(modattrs.ledger.__file__).parents[1])
+
+
+def test_a_watch_in_a_process_that_never_imported_dynamo_survives_a_flow_importing_it() -> None:
+    # torch 2.8: torch._dynamo's own import runs operations that, under a dispatch mode, reach torch._disable_dynamo,
+    # which needs torch._dynamo imported whole (transformers' generation code imported inside a watch failed so).
+    script = (
+        "import sys, torch\n"
+        "from modattrs.ledger import watch\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "with watch() as ledger:\n"
+        "    with torch.device('meta'):\n"
+        "        from transformers import GenerationMixin\n"
+        "    layer = torch.nn.Linear(3, 2)\n"
+        "ledger.check(layer)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr

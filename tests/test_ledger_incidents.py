@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -21,10 +20,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from modattrs import ShapedTensor, VirtualTensor
 from modattrs.deferred import deferred_init, materialize_module
 from modattrs.ledger import LedgerError, Report, watch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import ledger_incidents as incidents
+from tests import ledger_incidents as incidents
+from tests.support import ranks
 
 
 def audited(flow: Callable[[], nn.Module]) -> Report:
@@ -137,9 +134,7 @@ def test_a_rank_0_broadcast_of_every_tensor_is_received_on_the_other_ranks_and_l
 def audit_on_gloo(everything: bool) -> list[tuple[int, dict[str, object]]]:
     """``python -m modattrs audit ledger_incidents:broadcast_on_gloo`` on 2 gloo ranks: each rank's exit code and
     JSON report."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = ranks.free_port()
     tests = Path(__file__).resolve().parent
     environment = {
         **os.environ,
@@ -157,7 +152,7 @@ def audit_on_gloo(everything: bool) -> list[tuple[int, dict[str, object]]]:
         "ledger_incidents:broadcast_on_gloo",
         f"everything={everything}",
     ]
-    ranks = [
+    processes = [
         subprocess.Popen(
             [*command, "--format", "json"],
             env={**environment, "RANK": str(rank)},
@@ -168,10 +163,12 @@ def audit_on_gloo(everything: bool) -> list[tuple[int, dict[str, object]]]:
         for rank in range(2)
     ]
     results = []
-    for process in ranks:
+    for process in processes:
         out, err = process.communicate(timeout=120)
         assert out, err
-        results.append((process.returncode, json.loads(out)))
+        # torch 2.8's gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks..." on stdout before the report
+        report = out[out.index("{") :]
+        results.append((process.returncode, json.loads(report)))
     return results
 
 

@@ -17,7 +17,7 @@ from modattrs._ledger.provenance import INITIALIZED, LOADED, Where, Write, user_
 from modattrs._ledger.storages import StorageTable
 from modattrs._ledger.tracking import LedgerMode
 from modattrs._module_tensors import listen_for_writes, stop_listening_for_writes
-from modattrs._torch_private import FakeTensor, imported_dtensor_type
+from modattrs._torch_private import FakeTensor, import_dynamo, imported_dtensor_type
 from modattrs._torch_private import dtensor_local as _dtensor_local
 
 __all__ = ["Session", "TiesBefore", "local_data", "tie_groups"]
@@ -81,6 +81,10 @@ class Session:
         self.active = False
 
     def start(self) -> None:
+        # On torch 2.8, an operation run by torch._dynamo's own import under a dispatch mode reaches
+        # torch._disable_dynamo, which needs the module imported whole (a flow importing transformers' generation
+        # code inside a watch failed so): imported first, as torch imports it at its first compile or fake tensor.
+        import_dynamo()
         sources.start(self)
         try:
             self.mode.__enter__()  # type: ignore[no-untyped-call]
