@@ -239,11 +239,10 @@ _bindings_found: dict[str, tuple[ModuleType, tuple[str, ...]]] = {}
 def _bindings(loaders: dict[int, object]) -> list[tuple[ModuleType, str]]:
     seen, found = _modules_seen, _bindings_found
     modules = dict(sys.modules)  # copied in C: another thread may import meanwhile
-    # Most watches find no new module, and a pass in Python over thousands cost 4 ms a watch: the names new since
-    # the last watch are found by set difference, in C, and a module replaced under a name it had by identity.
-    replaced = [name for name in seen.keys() & modules.keys() if seen[name] is not modules[name]]
-    for module_name in [*(modules.keys() - seen.keys()), *replaced]:
-        module = modules[module_name]
+    # Most watches find no module new or replaced since the last one: the pass only compares (about 0.5 ms for
+    # thousands), and allocates nothing per module, which in a large process could set off a full garbage collection.
+    unseen = [(name, module) for name, module in modules.items() if seen.get(name) is not module]
+    for module_name, module in unseen:
         seen[module_name] = module
         found.pop(module_name, None)
         namespace = getattr(module, "__dict__", None) if isinstance(module, ModuleType) else None
