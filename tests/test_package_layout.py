@@ -13,6 +13,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
+
 import modattrs
 
 PACKAGE = Path(modattrs.__file__).resolve().parent
@@ -364,3 +366,15 @@ def test_the_command_line_reaches_the_engines_only_through_their_packages_faces(
         if target.startswith(("modattrs._fake.", "modattrs._deferred.", "modattrs._ledger"))
     ]
     assert not engine_modules, "\n".join(engine_modules)
+
+
+def test_every_package_of_the_checkout_is_one_that_pyproject_installs() -> None:
+    # setuptools installs the packages pyproject.toml lists, no others: a package left out imports in a checkout
+    # (and an editable install) and is missing from every wheel (the write ledger's was, once).
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.10 has no TOML reader")
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    checkout = ROOT / "modattrs"
+    present = {
+        ".".join(("modattrs", *init.parent.relative_to(checkout).parts)) for init in checkout.rglob("__init__.py")
+    }
+    assert listed == present
