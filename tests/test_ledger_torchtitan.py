@@ -4,16 +4,13 @@ by their own ``init_weights(buffer_device=...)``, on one device and sharded by F
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from modattrs.ledger import Report, watch
 
@@ -33,16 +30,6 @@ CONFIGS: dict[str, Callable[[], Any]] = {
 @pytest.fixture(autouse=True)
 def _one_thread(one_torch_thread: None) -> None:
     return None
-
-
-@contextlib.contextmanager
-def fake_rank(world: int, rank: int) -> Iterator[None]:
-    titan.use_cpu_meshes()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def meta_flow(name: str, *, world: int | None = None, initialize: bool = True) -> tuple[nn.Module, Report]:
@@ -72,7 +59,7 @@ def test_torchtitan_init_weights_after_to_empty_writes_every_byte_of_every_tenso
 @pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete support:UserWarning")
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_torchtitan_init_weights_writes_every_local_shard_of_an_fsdp2_rank(name: str) -> None:
-    with fake_rank(8, 3):
+    with titan.fake_rank(8, 3):
         model, report = meta_flow(name, world=8)
     assert any(isinstance(parameter, DTensor) for parameter in model.parameters())
     report.check()
@@ -81,7 +68,7 @@ def test_torchtitan_init_weights_writes_every_local_shard_of_an_fsdp2_rank(name:
 
 @pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete support:UserWarning")
 def test_an_fsdp2_rank_that_skips_init_weights_is_flagged_with_the_bytes_of_its_own_shard() -> None:
-    with fake_rank(8, 3):
+    with titan.fake_rank(8, 3):
         model, report = meta_flow("llama3", world=8, initialize=False)
         embedding = model.get_parameter("tok_embeddings.weight")
         assert isinstance(embedding, DTensor)

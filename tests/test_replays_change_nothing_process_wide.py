@@ -19,6 +19,7 @@ from torch import nn
 
 from modattrs._deferred import generator, mt19937
 from modattrs.deferred import DeferredInitError, deferred_init, is_deferred, materialize_module, register_opaque_init
+from tests.test_generator_jump import speedups_as
 
 
 @contextlib.contextmanager
@@ -36,14 +37,8 @@ def jumps_by(path: str) -> Iterator[None]:
     """Jumps by the C routines ("c") or by the torch path that runs without them ("torch")."""
     if path == "c" and mt19937._speedups is None:
         pytest.skip("modattrs._speedups is not built in this install")
-    kept = mt19937._speedups
-    mt19937._speedups = kept if path == "c" else None
-    mt19937._powers.clear()
-    try:
+    with speedups_as(mt19937._speedups if path == "c" else None):
         yield
-    finally:
-        mt19937._speedups = kept
-        mt19937._powers.clear()
 
 
 class Mixed(nn.Module):

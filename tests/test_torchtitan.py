@@ -11,9 +11,8 @@ tests/test_torchtitan_gloo.py trains a step on real gloo ranks.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,7 +23,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import (
     _compute_local_shape_and_global_offset as compute_local_shape_and_global_offset,
 )
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from modattrs.deferred import deferred_init, is_deferred, materialize_module
 
@@ -34,16 +32,6 @@ except ImportError as error:  # torchtitan not installed, or its model code need
     pytest.skip(
         f"torchtitan's model code does not import on torch {torch.__version__}: {error}", allow_module_level=True
     )
-
-
-@contextlib.contextmanager
-def fake_rank(world: int, rank: int) -> Iterator[None]:
-    titan.use_cpu_meshes()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @functools.cache
@@ -92,7 +80,7 @@ def slice_of(full: torch.Tensor, parameter: DTensor) -> torch.Tensor:
 
 def check(config_fn: Callable[[], Any], world: int, rank: int, layout: dict[str, int]) -> None:
     reference, state_after_eager = eager(config_fn)
-    with fake_rank(world, rank):
+    with titan.fake_rank(world, rank):
         model = deferred_and_parallelized(config_fn, titan.parallel_dims(world, **layout))
         assert_eager_slices(model, reference, f"rank {rank} of {world} ({layout})")
     assert torch.equal(torch.get_rng_state(), state_after_eager)

@@ -21,10 +21,14 @@ tensorboard, wandb and more), each on purpose:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import parallel_dims as parallel_dims_module
@@ -161,3 +165,14 @@ def parallelize(model: nn.Module, dims: ParallelDims) -> nn.Module:
         dump_folder="",
     )
     return parallelized
+
+
+@contextlib.contextmanager
+def fake_rank(world: int, rank: int) -> Iterator[None]:
+    """This process as ``rank`` of ``world`` on torch's fake process group, torchtitan's meshes on the CPU."""
+    use_cpu_meshes()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
