@@ -7,6 +7,7 @@ import inspect
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -306,6 +307,39 @@ def test_an_initializer_that_reads_its_own_draws_still_initializes() -> None:
 
 def watched_names() -> tuple[object, ...]:
     return (torch.load, nn.Module.load_state_dict, safetensors.torch.load_file, safetensors.safe_open, nn.init.normal_)
+
+
+def a_module_binding_safe_open_by_name(name: str) -> types.ModuleType:
+    module = types.ModuleType(name)
+    exec(  # what `from safetensors import safe_open` leaves in a module's namespace
+        "from safetensors import safe_open\n"
+        "def read(path, key):\n"
+        "    with safe_open(path, framework='pt') as handle:\n"
+        "        return handle.get_tensor(key)\n",
+        module.__dict__,
+    )
+    return module
+
+
+def test_a_module_imported_or_replaced_between_watches_has_its_bound_loaders_seen(tmp_path: Path) -> None:
+    path = str(tmp_path / "m.safetensors")
+    safetensors.torch.save_file({"w": torch.randn(8, 4)}, path)
+    name = "modattrs_test_loader_bound_by_name"
+    with watch():  # every module imported so far is seen once
+        pass
+    try:
+        for _ in range(2):  # imported after that watch, then replaced under the same name
+            module = sys.modules[name] = a_module_binding_safe_open_by_name(name)
+            layer = meta_linear()
+            with watch() as ledger:
+                layer.to_empty(device="cpu")
+                with torch.no_grad():
+                    layer.weight.copy_(module.read(path, "w"))
+            assert ledger.report(layer)["weight"].status == "loaded"
+            assert "'w'" in ledger.report(layer)["weight"].parts[0].what
+            assert module.safe_open is safetensors.safe_open  # put back when the watch ended
+    finally:
+        sys.modules.pop(name, None)
 
 
 def test_what_a_watch_changes_is_put_back_when_it_ends_even_by_an_exception() -> None:

@@ -119,10 +119,14 @@ class Session:
             return
         label = Write(LOADED, op, where, keys=(key,))
         with self._lock:
-            record = self.table.record_of(local.untyped_storage())
+            storage = local.untyped_storage()
+            record = self.table.record_of(storage)
             runs = byte_runs(local)
-            if record is None or record.allocated is None:
-                self.table.write(local, runs, label)
+            if record is None:  # most often: a tensor the loader just made
+                record = self.table.allocate(storage, None, None)
+            if record.allocated is None:
+                for start, end in runs:
+                    record.writes.assign(start, end, label)
                 return
             # bytes nothing wrote stay unwritten: a checkpoint made of garbage is garbage
             for piece in list(self.table.pieces(local, runs)):

@@ -57,7 +57,7 @@ _replaced: list[tuple[Any, str, object, object]] = []  # (owner, name, original,
 _depth = threading.local()
 
 #: Names under which modules bind the loaders this file wraps.
-_BOUND_NAMES = ("load", "safe_open", "load_file", "safe_load_file", "safe_load", "torch_load")
+_BOUND_NAMES = frozenset({"load", "safe_open", "load_file", "safe_load_file", "safe_load", "torch_load"})
 
 
 def _tag(tensor: object, key: str, op: str, where: Where | None) -> None:
@@ -238,18 +238,26 @@ _bindings_found: dict[str, tuple[ModuleType, tuple[str, ...]]] = {}
 
 def _bindings(loaders: dict[int, object]) -> list[tuple[ModuleType, str]]:
     seen, found = _modules_seen, _bindings_found
+    # Most watches find no module new or replaced since the last one: that is one comparison of two dicts in C (a
+    # module compares equal only to itself), without copying sys.modules; otherwise the pass allocates nothing per
+    # module it has seen, which in a large process could set off a full garbage collection.
+    if sys.modules == seen:
+        return [(module, name) for module, names in found.values() for name in names]
     modules = dict(sys.modules)  # copied in C: another thread may import meanwhile
-    # Most watches find no module new or replaced since the last one: the pass only compares (about 0.5 ms for
-    # thousands), and allocates nothing per module, which in a large process could set off a full garbage collection.
     unseen = [(name, module) for name, module in modules.items() if seen.get(name) is not module]
     for module_name, module in unseen:
         seen[module_name] = module
         found.pop(module_name, None)
         namespace = getattr(module, "__dict__", None) if isinstance(module, ModuleType) else None
         if namespace is not None and isinstance(module, ModuleType):
-            names = tuple(name for name in _BOUND_NAMES if id(namespace.get(name)) in loaders)
+            bound = namespace.keys() & _BOUND_NAMES  # looks up the few names in the namespace, in C
+            names = tuple(name for name in bound if id(namespace.get(name)) in loaders) if bound else ()
             if names:
                 found[module_name] = (module, names)
+    if len(seen) != len(modules):  # some were removed from sys.modules: forget them, or no later pass is quick
+        for module_name in [name for name in seen if name not in modules]:
+            del seen[module_name]
+            found.pop(module_name, None)
     return [(module, name) for module, names in found.values() for name in names]
 
 

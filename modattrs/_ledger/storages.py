@@ -8,7 +8,7 @@ expires with it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -23,7 +23,7 @@ __all__ = ["Piece", "Record", "StorageTable"]
 _SWEEP_EVERY = 4096
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Record:
     """One storage: its bytes' labels, and, when it was allocated without values while the ledger watched, by what.
 
@@ -32,7 +32,7 @@ class Record:
 
     ref: StorageWeakRef
     allocated: Origin | None
-    writes: IntervalMap[Write] = field(default_factory=IntervalMap)
+    writes: IntervalMap[Write]
 
 
 @dataclass(slots=True)
@@ -62,7 +62,7 @@ class StorageTable:
 
     def allocate(self, storage: torch.UntypedStorage, allocated: Origin | None, write: Write | None) -> Record:
         """A new record for ``storage``: unwritten (``allocated``), or written whole by ``write``."""
-        record = Record(StorageWeakRef(storage), allocated)  # type: ignore[no-untyped-call]
+        record = Record(StorageWeakRef(storage), allocated, IntervalMap())  # type: ignore[no-untyped-call]
         if write is not None and storage.nbytes():
             record.writes.assign(0, storage.nbytes(), write)
         self._records[address_of(storage)] = record

@@ -34,6 +34,7 @@ from modattrs._torch_private import (
     TorchDispatchMode,
     imported_dtensor_type,
     returns_aliases,
+    tensor_arguments,
     written_arguments,
 )
 from modattrs._torch_private import dtensor_local as _dtensor_local
@@ -63,29 +64,32 @@ _RECEIVING = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """How an operation is handled, worked out once per overload."""
+    """How an operation is handled, worked out once per overload from its schema."""
 
     name: str  # e.g. "normal_", "empty_like"
     skip: bool  # writes no bytes and makes no storage (views, metadata changes)
     written: tuple[tuple[int, str], ...]  # the arguments it writes
+    read: tuple[tuple[int, str], ...]  # the arguments whose bytes its values come from
     reads_written: bool  # whether it reads what it writes (add_ does, fill_ and out= do not)
     collective: bool
-    written_positions: frozenset[int] = frozenset()
-    written_names: frozenset[str] = frozenset()
+    allocates_empty: bool  # makes storages without values (empty, empty_like...)
 
 
 @functools.cache
 def _plan(func: OpOverload) -> _Plan:
     name = func.__name__.split(".")[0]
     if func.namespace == "c10d":
-        return _Plan(name, name not in _RECEIVING, ((0, "tensors"),), False, True)
+        return _Plan(name, name not in _RECEIVING, ((0, "tensors"),), (), False, True, False)
     written = written_arguments(func)
     metadata_only = torch.Tag.inplace_view in func.tags and name != "resize_"
     skip = metadata_only or (not written and returns_aliases(func))
     reads_written = name not in _OVERWRITING and all(argument == "self" for _, argument in written)
-    positions = frozenset(index for index, _ in written)
-    names = frozenset(argument for _, argument in written)
-    return _Plan(name, skip, written, reads_written, func.namespace == "_c10d_functional", positions, names)
+    if (name in _OVERWRITING and name != "copy_") or name.endswith("_like") or name.startswith("new_"):
+        read: tuple[tuple[int, str], ...] = ()  # a fill reads nothing; ``*_like`` and ``new_*`` only metadata
+    else:
+        read = tuple(argument for argument in tensor_arguments(func) if reads_written or argument not in written)
+    collective = func.namespace == "_c10d_functional"
+    return _Plan(name, skip, written, read, reads_written, collective, name in _EMPTY)
 
 
 def _flatten(value: object, into: list[torch.Tensor]) -> None:
@@ -93,7 +97,10 @@ def _flatten(value: object, into: list[torch.Tensor]) -> None:
         into.append(value)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            _flatten(item, into)
+            if isinstance(item, torch.Tensor):
+                into.append(item)
+            elif isinstance(item, (list, tuple)):  # c10d's Tensor[][]
+                _flatten(item, into)
 
 
 def _has_storage(tensor: torch.Tensor) -> bool:
@@ -136,20 +143,10 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         for index, name in plan.written:
             _flatten(_argument(args, kwargs, index, name), written)
         reads: list[torch.Tensor] = []
-        for index, value in enumerate(args):
-            if plan.reads_written or index not in plan.written_positions:
-                _flatten(value, reads)
-        for key, value in kwargs.items():
-            if plan.reads_written or key not in plan.written_names:
-                _flatten(value, reads)
-        if plan.name in _OVERWRITING and plan.name != "copy_":
-            reads = []
-        self_only = (
-            bool(written)
-            and plan.reads_written
-            and all(any(read is target for target in written) for read in reads if isinstance(read, torch.Tensor))
-        )
-        label = None if plan.name in _EMPTY else self._label(plan, reads, self_only)
+        for index, name in plan.read:
+            _flatten(_argument(args, kwargs, index, name), reads)
+        self_only = bool(written) and plan.reads_written and all(any(r is w for w in written) for r in reads)
+        label = None if plan.allocates_empty else self._label(plan, reads, self_only)
         grown = [(tensor, tensor.untyped_storage().nbytes()) for tensor in written] if plan.name == "resize_" else []
         result = func(*args, **kwargs)
         if written:
@@ -183,8 +180,6 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         found: dict[int, Write] = {}
         kinds: set[str] = set()
         tainted: Origin | None = None
-        if plan.name.endswith("_like") or plan.name.startswith("new_"):
-            reads = []  # metadata only
         for tensor in reads:
             local = self._local(tensor)
             if local is None:
