@@ -101,6 +101,30 @@ def test_a_load_with_assign_is_loaded_under_its_key_too() -> None:
     assert {entry.status for entry in ledger.report(layer)} == {"loaded"}
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["assigned", "swapped"])
+def test_a_meta_module_loaded_with_assign_is_loaded_in_either_conversion_mode(swap: bool) -> None:
+    # with this future flag set, torch swaps the tensors behind the module's parameter objects rather than assigning
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        layer = meta_linear()
+        weight = layer.weight
+        with watch() as ledger:
+            layer.load_state_dict({"weight": torch.randn(8, 4), "bias": torch.randn(8)}, assign=True)
+            with torch.no_grad():
+                layer.weight[0].zero_()  # loaded bytes initialized again
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    assert (layer.weight is weight) == swap
+    report = ledger.report(layer)
+    assert report["bias"].status == "loaded"
+    assert "'bias'" in report["bias"].parts[0].what
+    weight_parts = {part.kind: part for part in report["weight"].parts}
+    assert set(weight_parts) == {"loaded", "overwritten after loading"}
+    assert weight_parts["overwritten after loading"].ranges == ((0, 16),)  # the first row, zeroed
+    assert "'weight'" in weight_parts["loaded"].what
+
+
 def test_tensors_from_torch_load_and_safetensors_are_loaded_under_their_names(tmp_path: Path) -> None:
     torch.save({"weight": torch.randn(8, 4)}, tmp_path / "w.pt")
     safetensors.torch.save_file({"bias": torch.randn(8)}, str(tmp_path / "b.safetensors"))
@@ -340,6 +364,20 @@ def test_a_module_imported_or_replaced_between_watches_has_its_bound_loaders_see
             assert module.safe_open is safetensors.safe_open  # put back when the watch ended
     finally:
         sys.modules.pop(name, None)
+
+
+def test_a_function_compiled_inside_a_watch_runs_eagerly_and_its_writes_are_seen() -> None:
+    # torch.compile does not compile under a dispatch mode of this kind: it runs the function's frames as they are
+    layer = meta_linear(rows=4)
+    with watch() as ledger:
+        layer.to_empty(device="cpu")
+        nn.init.normal_(layer.weight)
+        with torch.no_grad():
+            layer.bias.copy_(torch.compile(lambda weight: weight.sum(1))(layer.weight))
+    assert torch.equal(layer.bias, layer.weight.sum(1))
+    report = ledger.report(layer)
+    assert (report["weight"].status, report["bias"].status) == ("initialized", "computed")
+    report.check()
 
 
 def test_what_a_watch_changes_is_put_back_when_it_ends_even_by_an_exception() -> None:
