@@ -3,8 +3,8 @@
 The reference is torch itself: a generator set to the state, then ``k`` 32-bit outputs drawn by ``uniform_`` on
 float32 tensors, which take one output per element (measured on torch 2.13 by counting the engine's steps, and
 confirmed here: the polynomial jumps, computed without torch's engine, agree with it). Each jump is checked byte for
-byte against the state torch reaches, and by the values drawn after it. Where ``modattrs._speedups`` is built, jumps
-run its C routines, and the tests at the end check them against the torch path that runs without them.
+byte against the state torch reaches, and by the values drawn after it. Where ``modattrs._generator_jump`` is built,
+jumps run its C routines, and the tests at the end check them against the torch path that runs without them.
 """
 
 from __future__ import annotations
@@ -249,14 +249,16 @@ def test_jumps_in_several_threads_at_once_leave_torchs_thread_count_as_it_was(pa
 
 # --- the C routines, the cache of powers, threads and the crossover ------------------------------------------------
 
-needs_speedups = pytest.mark.skipif(mt19937._speedups is None, reason="modattrs._speedups is not built in this install")
+needs_speedups = pytest.mark.skipif(
+    mt19937._speedups is None, reason="modattrs._generator_jump is not built in this install"
+)
 
 
 @contextlib.contextmanager
 def jump_path(path: str) -> Iterator[None]:
     """Jumps by the C routines ("c") or by the torch path that runs without them ("torch"), with no power cached."""
     if path == "c" and mt19937._speedups is None:
-        pytest.skip("modattrs._speedups is not built in this install")
+        pytest.skip("modattrs._generator_jump is not built in this install")
     with speedups_as(mt19937._speedups if path == "c" else None):
         yield
 
@@ -452,13 +454,13 @@ POWER_METHODS = ["squaring", "squaring_avx2", "squaring_avx512"]
 def supported(function: str, method: str) -> None:
     """Skip unless the C routine ``function`` (``"twisted"`` or ``"power_of_x"``) has ``method`` here."""
     if mt19937._speedups is None:
-        pytest.skip("modattrs._speedups is not built in this install")
+        pytest.skip("modattrs._generator_jump is not built in this install")
     if method not in mt19937._speedups.mt19937_methods()[function]:
         pytest.skip(f"this CPU or build lacks the method {method!r} of mt19937_{function}")
 
 
 class Forced:
-    """``modattrs._speedups`` with its MT19937 routines bound to one method each (None: the default)."""
+    """``modattrs._generator_jump`` with its MT19937 routines bound to one method each (None: the default)."""
 
     def __init__(self, twist: str | None, power: str | None) -> None:
         assert mt19937._speedups is not None

@@ -21,7 +21,7 @@ class Wrong:
 
     def __init__(self, function: str) -> None:
         if mt19937._speedups is None:
-            pytest.skip("modattrs._speedups is not built in this install")
+            pytest.skip("modattrs._generator_jump is not built in this install")
         self.module = mt19937._speedups
         self.function = function
         self.method = self.module.mt19937_methods()[function][-1]
@@ -106,7 +106,7 @@ def test_a_jump_method_that_disagrees_with_the_portable_one_is_disabled_with_one
 @pytest.mark.parametrize("function", ["twisted", "power_of_x"])
 def test_every_method_this_cpu_has_agrees_with_the_portable_one(function: str) -> None:
     if mt19937._speedups is None:
-        pytest.skip("modattrs._speedups is not built in this install")
+        pytest.skip("modattrs._generator_jump is not built in this install")
     speedups = mt19937._speedups
     with routines(speedups), warnings.catch_warnings():
         warnings.simplefilter("error")

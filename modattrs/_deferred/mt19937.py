@@ -41,7 +41,7 @@ Two ways to get there, and ``jumped_state`` picks per jump (a distance within th
   ``2^19937 - 1``, so any distance works.
 
 Each step has two implementations with the same results, bit for bit: C routines in the optional extension
-``modattrs._speedups``, used when pip built it, and torch code, used when it did not.
+``modattrs._generator_jump``, used when pip built it, and torch code, used when it did not.
 
 - C: ``x^M mod p`` by squaring, one bit of ``M`` at a time from the top (``x^m`` for the top bits while
   ``m < 19937``): a square over GF(2) spreads the bits apart; reducing it by ``p`` finds the quotient's bits from the
@@ -89,7 +89,7 @@ from dataclasses import dataclass
 
 import torch
 
-from modattrs._compiled import speedups as _speedups
+from modattrs._compiled import generator_jump as _speedups  # the jump's C routines, or None
 from modattrs._torch_private import (
     CPU_STATE_ARRAY,
     CPU_STATE_BYTES,
@@ -394,7 +394,7 @@ def _power_of_x_packed(exponent: int) -> bytes:
 _POWER, _TWISTED = "power_of_x", "twisted"
 _PORTABLE = {_POWER: "squaring", _TWISTED: "words"}
 #: Below how many terms of ``x^M mod p`` the C routine sums rows of words rather than use carry-less multiplication,
-#: per method (``mt_words_below`` in ``_speedups.c``): used when a checked method is not the routine's own choice.
+#: per method (``mt_words_below`` in ``_generator_jump.c``): used when a checked method is not the routine's own choice.
 _WORDS_BELOW = {"words": 0, "clmul128": 2000, "clmul256": 1000, "clmul512": 500}
 _CHECK_EXPONENT = 0x9E3779  # 24 bits, ones and zeros mixed: 10 squarings past the top 14 bits
 _CHECK_SEED = 20_251_129
