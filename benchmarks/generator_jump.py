@@ -14,12 +14,12 @@ state drawing gives (beyond 2^23 outputs, the C routines' state the torch path's
 Then each method of the C routines on a replay, where a method's gain has to show: ranks of ``shard_local.py``'s
 plain-torch decoder (FSDP2 shard-local materialization at world sizes 8 and 64, the middle rank, which jumps over
 the rows before and after its own in every parameter), built and sharded as there, the jumps' cache of powers
-emptied before each timed materialization as in a rank's own process. Per configuration, the routines bound to one
-method each: the portable pair (``squaring``, ``words``), each other power method with ``words``, each other
-twist method with ``squaring`` (a twist method, as the routine itself, takes ``words`` for a power of few terms).
-It prints the best of the runs (their order rotated from run to run) of the materialization's CPU time
-(``time.process_time``) as a ratio against the portable pair, and of the CPU time spent in the C routines, and checks
-each rank's shards and the generator's end state against eager construction. Timings are printed, never asserted.
+emptied before each timed materialization as in a rank's own process, the sums (``mt19937_twisted``) bound to each
+of their methods in turn (a method, as the routine itself, takes ``words`` for a power of few terms; the power has
+one method). It prints the best of the runs (their order rotated from run to run) of the materialization's CPU time
+(``time.process_time``) as a ratio against the portable method, ``words``, and the CPU time spent in each C
+routine, and checks each rank's shards and the generator's end state against eager construction. Timings are
+printed, never asserted; ``docs/benchmarks.rst`` says which methods were kept, and why.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def jump_ms(state: torch.Tensor, outputs: int, compiled: bool, fresh: bool) -> t
 
 
 def c_routines_alone(state: torch.Tensor) -> None:
-    """Each method of the C routines on its own: ``mt19937_twisted`` with a far jump's power (10^6 outputs, about
+    """The C routines on their own: ``mt19937_twisted`` by each method with a far jump's power (10^6 outputs, about
     10,000 ones) and a short one's (4 blocks, one), ``mt19937_power_of_x`` per bit of a 64-bit exponent."""
     speedups = mt19937._speedups
     assert speedups is not None
@@ -84,32 +84,28 @@ def c_routines_alone(state: torch.Tensor) -> None:
             cells.append(f"{name}: {best:6.3f} / {median:6.3f} ms")
         print(f"  {method:<10} " + ", ".join(cells))
     exponent = (2**64 - 59).to_bytes(8, "big")  # 50 bits past the top 14, which need no squaring
-    print("mt19937_power_of_x by method (the default last), per bit of the exponent, best and median")
-    for method in methods["power_of_x"]:
-        best, median = times_ms(partial(speedups.mt19937_power_of_x, exponent, mt19937._P_PACKED, method))
-        print(f"  {method:<16} {best / 50 * 1e3:6.2f} / {median / 50 * 1e3:6.2f} us")
+    best, median = times_ms(partial(speedups.mt19937_power_of_x, exponent, mt19937._P_PACKED))
+    per_bit = f"{best / 50 * 1e3:.2f} / {median / 50 * 1e3:.2f} us"
+    print(f"mt19937_power_of_x per bit of the exponent, best and median: {per_bit}")
 
 
 class Bound:
-    """``modattrs._generator_jump`` with its MT19937 routines bound to one method each; it lists only the portable
-    method and that one, so the first-use check compares them, and it adds up the CPU time spent in each routine."""
+    """``modattrs._generator_jump`` with its sums bound to one method; it lists only the portable method and that
+    one, so the first-use check compares them, and it adds up the CPU time spent in each routine."""
 
-    def __init__(self, power: str, twist: str) -> None:
+    def __init__(self, twist: str) -> None:
         speedups = mt19937._speedups
         assert speedups is not None
-        self.module, self.power, self.twist = speedups, power, twist
+        self.module, self.twist = speedups, twist
         self.power_s = self.twist_s = 0.0
 
     def mt19937_methods(self) -> dict[str, tuple[str, ...]]:
-        return {
-            function: tuple(dict.fromkeys((mt19937._PORTABLE[function], method)))
-            for function, method in ((mt19937._POWER, self.power), (mt19937._TWISTED, self.twist))
-        }
+        return {mt19937._TWISTED: tuple(dict.fromkeys((mt19937._PORTABLE[mt19937._TWISTED], self.twist)))}
 
-    def mt19937_power_of_x(self, exponent: bytes, modulus: bytes, method: str | None = None) -> bytes:
+    def mt19937_power_of_x(self, exponent: bytes, modulus: bytes) -> bytes:
         start = time.thread_time()
         try:
-            packed: bytes = self.module.mt19937_power_of_x(exponent, modulus, method or self.power)
+            packed: bytes = self.module.mt19937_power_of_x(exponent, modulus)
             return packed
         finally:
             self.power_s += time.thread_time() - start
@@ -136,19 +132,10 @@ def routines(bound: Bound) -> Iterator[None]:
 
 
 def configurations() -> dict[str, Bound]:
-    """The portable pair, then each other method of one routine with the portable method of the other."""
+    """The routines bound to each method of the sums this CPU has, the portable one first."""
     speedups = mt19937._speedups
     assert speedups is not None
-    methods = speedups.mt19937_methods()
-    portable_power, portable_twist = mt19937._PORTABLE[mt19937._POWER], mt19937._PORTABLE[mt19937._TWISTED]
-    chosen = {f"portable ({portable_power}, {portable_twist})": Bound(portable_power, portable_twist)}
-    for power in methods[mt19937._POWER]:
-        if power != portable_power:
-            chosen[f"power {power}"] = Bound(power, portable_twist)
-    for twist in methods[mt19937._TWISTED]:
-        if twist != portable_twist:
-            chosen[f"twist {twist}"] = Bound(portable_power, twist)
-    return chosen
+    return {f"twisted by {twist}": Bound(twist) for twist in speedups.mt19937_methods()[mt19937._TWISTED]}
 
 
 def replay_by_method(quick: bool, runs: int) -> None:
@@ -173,7 +160,6 @@ def replay_by_method(quick: bool, runs: int) -> None:
             shard_local.warm_up(mesh)
             for bound in chosen.values():  # each method's first-use check, outside the measure
                 with routines(bound):
-                    mt19937._checked_method(bound, mt19937._POWER)
                     mt19937._checked_method(bound, mt19937._TWISTED)
             names = list(chosen)
             for run in range(runs):

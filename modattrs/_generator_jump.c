@@ -7,10 +7,12 @@
  * j % 8 of byte j / 8), as Python's int.to_bytes(n, "little") packs them. mt19937.py does the same in torch when
  * this extension is not built, with the same results. Both release the GIL: jumps in several threads run at once.
  *
- * Each has methods that give the same bytes by other means, for other CPUs: mt19937_methods() names those this CPU
- * and build support, best last, and an optional last argument forces one (tests compare them all; mt19937.py checks
- * each against the portable one at its first use in a process). docs/benchmarks.rst ("Jumping the generator") has
- * what each costs, and which were kept for a gain measured on a replay.
+ * mt19937_twisted has two methods that give the same bytes: "words", portable, and "clmul128", carry-less
+ * multiplication (PCLMULQDQ, x86-64 CPUs since 2010), chosen at run time by the CPU's features. mt19937_methods()
+ * names those this CPU and build support, best last, and an optional last argument forces one (tests compare them;
+ * mt19937.py checks "clmul128" against "words" at its first use in a process). Only methods with a gain measured on
+ * a replay are kept (docs/benchmarks.rst, "Jumping the generator", has the figures): wider vectors (AVX2, AVX-512)
+ * for either loop gained less there than the noise of the measure, and were removed.
  *
  * The module is optional, as modattrs/_speedups.c is: pip builds it when a C compiler is there, and without it
  * mt19937.py jumps with torch's FFTs. */
@@ -29,16 +31,11 @@
 #define MT_CHUNKS (MT_WORDS / MT_SPAN)          /* 39 */
 #define MT_PAD 10                               /* zero words on either side of the quotient, read past its ends */
 
-/* x86-64 copies of the loops for wider vectors and carry-less multiplication, chosen at run time */
+/* x86-64: the carry-less method of mt19937_twisted, chosen at run time */
 #if defined(__x86_64__) &&                                                                                             \
     ((defined(__clang__) && __clang_major__ >= 10) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 8))
 #define MT_X86 1
 #include <immintrin.h>
-#endif
-#if defined(__GNUC__) || defined(__clang__)
-#define MT_INLINE static inline __attribute__((always_inline)) /* so that each copy vectorizes at its own width */
-#else
-#define MT_INLINE static inline
 #endif
 
 /* The low 32 bits of x spread to the even bits: its square over GF(2). */
@@ -79,36 +76,10 @@ static int mt_terms(const unsigned char *modulus, uint16_t *terms) {
     return count;
 }
 
-/* acc[l] ^= bits at + 64 l .. at + 64 l + 63 of the bit array src, l = 0 .. 7 (reads src[at / 64 .. at / 64 + 8]);
- * `bytes` (a constant once inlined) is the vector width to do it at, the compilers' own choice (0) being 256 bits
- * at most: 512 takes 7 us a bit of the exponent instead of 12. */
-#ifdef MT_X86
-typedef uint64_t mt_lanes64 __attribute__((vector_size(64), aligned(8))); /* aligned(8): reads start at any word */
-typedef uint64_t mt_lanes32 __attribute__((vector_size(32), aligned(8)));
-#endif
-MT_INLINE void mt_xor_bits(uint64_t *acc, const uint64_t *src, long at, int bytes) {
+/* acc[l] ^= bits at + 64 l .. at + 64 l + 63 of the bit array src, l = 0 .. 7 (reads src[at / 64 .. at / 64 + 8]). */
+static inline void mt_xor_bits(uint64_t *acc, const uint64_t *src, long at) {
     const uint64_t *s = src + (at >> 6);
     int shift = (int)(at & 63);
-#ifdef MT_X86
-    if (bytes == 64) {
-        mt_lanes64 sum;
-        memcpy(&sum, acc, sizeof sum);
-        sum ^= (*(const mt_lanes64 *)s >> shift) | ((*(const mt_lanes64 *)(s + 1) << 1) << (63 - shift));
-        memcpy(acc, &sum, sizeof sum);
-        return;
-    }
-    if (bytes == 32) {
-        for (int half = 0; half < 2; half++) {
-            mt_lanes32 sum;
-            const uint64_t *h = s + 4 * half;
-            memcpy(&sum, acc + 4 * half, sizeof sum);
-            sum ^= (*(const mt_lanes32 *)h >> shift) | ((*(const mt_lanes32 *)(h + 1) << 1) << (63 - shift));
-            memcpy(acc + 4 * half, &sum, sizeof sum);
-        }
-        return;
-    }
-#endif
-    (void)bytes;
     for (int l = 0; l < MT_SPAN; l++) {
         acc[l] ^= (s[l] >> shift) | ((s[l + 1] << 1) << (63 - shift));
     }
@@ -123,10 +94,8 @@ typedef struct {
 /* a (degree below 19,937) becomes a^2 x^digit mod p. With S = a^2 x^digit = Q p + r: Q_i = S_(19937 + i) + sum over
  * p's terms e below its degree of Q_(i + 19937 - e), top down, 512 bits at a time (19937 - e >= 623: those bits are
  * done), then r_j = S_j + sum_e Q_(j - e). Each 512-bit piece is a sum of shifted reads held in registers: no two
- * writes meet, so it vectorizes (7, 10 and 25 us a bit of the exponent with AVX-512, AVX2 and neither), where XORing
- * each term's copy into the bits below, block by block, took 22 us with vectors or without. */
-MT_INLINE void mt_square_mod(uint64_t *a, int digit, const uint16_t *terms, int count, mt_power_work *work,
-                              int bytes) {
+ * writes meet, so the compiler may vectorize it. */
+static void mt_square_mod(uint64_t *a, int digit, const uint16_t *terms, int count, mt_power_work *work) {
     uint64_t *square = work->square, *quotient = work->quotient + MT_PAD;
     for (int i = 0; i < MT_WORDS; i++) {
         square[2 * i] = mt_spread(a[i]);
@@ -142,13 +111,13 @@ MT_INLINE void mt_square_mod(uint64_t *a, int digit, const uint16_t *terms, int 
     for (int chunk = MT_CHUNKS - 1; chunk >= 0; chunk--) {
         long low = (long)64 * MT_SPAN * chunk;
         uint64_t acc[MT_SPAN] = {0};
-        mt_xor_bits(acc, square, MT_DEGREE + low, bytes);
+        mt_xor_bits(acc, square, MT_DEGREE + low);
         int t = 0;
         while (t < count && low + MT_DEGREE - terms[t] >= 64 * MT_WORDS) { /* reads above the quotient: zeros */
             t++;
         }
         for (; t < count; t++) {
-            mt_xor_bits(acc, quotient, low + MT_DEGREE - terms[t], bytes);
+            mt_xor_bits(acc, quotient, low + MT_DEGREE - terms[t]);
         }
         memcpy(quotient + MT_SPAN * chunk, acc, sizeof acc);
     }
@@ -157,7 +126,7 @@ MT_INLINE void mt_square_mod(uint64_t *a, int digit, const uint16_t *terms, int 
         uint64_t acc[MT_SPAN];
         memcpy(acc, square + MT_SPAN * chunk, sizeof acc);
         for (int t = 0; t < count && terms[t] < low + 64 * MT_SPAN; t++) { /* higher terms read below Q_0: zeros */
-            mt_xor_bits(acc, quotient - MT_PAD, low - terms[t] + 64 * MT_PAD, bytes);
+            mt_xor_bits(acc, quotient - MT_PAD, low - terms[t] + 64 * MT_PAD);
         }
         memcpy(a + MT_SPAN * chunk, acc, sizeof acc);
     }
@@ -165,34 +134,10 @@ MT_INLINE void mt_square_mod(uint64_t *a, int digit, const uint16_t *terms, int 
 }
 
 /* One squaring per bit of the big-endian `digits` from bit `from` on, times x for a 1 bit. */
-#define MT_SQUARINGS(bytes)                                                                                            \
-    (uint64_t *a, const unsigned char *digits, Py_ssize_t from, Py_ssize_t bits, const uint16_t *terms, int count,     \
-     mt_power_work *work) {                                                                                            \
-        for (Py_ssize_t bit = from; bit < bits; bit++) {                                                               \
-            mt_square_mod(a, digits[bit >> 3] >> (7 - (bit & 7)) & 1, terms, count, work, bytes);                      \
-        }                                                                                                              \
-    }
-static void mt_squarings MT_SQUARINGS(0)
-#ifdef MT_X86
-__attribute__((target("avx2"))) static void mt_squarings_avx2 MT_SQUARINGS(32)
-__attribute__((target("avx512f"))) static void mt_squarings_avx512 MT_SQUARINGS(64)
-#endif
-
-enum { MT_SQUARING, MT_SQUARING_AVX2, MT_SQUARING_AVX512, MT_POWER_METHODS };
-static const char *const mt_power_methods[MT_POWER_METHODS] = {"squaring", "squaring_avx2", "squaring_avx512"};
-
-static int mt_power_supported(int method) {
-    switch (method) {
-    case MT_SQUARING:
-        return 1;
-#ifdef MT_X86
-    case MT_SQUARING_AVX2:
-        return __builtin_cpu_supports("avx2");
-    case MT_SQUARING_AVX512:
-        return __builtin_cpu_supports("avx512f");
-#endif
-    default:
-        return 0;
+static void mt_squarings(uint64_t *a, const unsigned char *digits, Py_ssize_t from, Py_ssize_t bits,
+                         const uint16_t *terms, int count, mt_power_work *work) {
+    for (Py_ssize_t bit = from; bit < bits; bit++) {
+        mt_square_mod(a, digits[bit >> 3] >> (7 - (bit & 7)) & 1, terms, count, work);
     }
 }
 
@@ -241,11 +186,11 @@ static void mt_correlate(const uint32_t *w, const uint16_t *ones, int count, uin
 }
 #endif
 
-enum { MT_BY_WORDS, MT_BY_CLMUL128, MT_BY_CLMUL256, MT_BY_CLMUL512, MT_TWIST_METHODS };
-static const char *const mt_twist_methods[MT_TWIST_METHODS] = {"words", "clmul128", "clmul256", "clmul512"};
+enum { MT_BY_WORDS, MT_BY_CLMUL128, MT_TWIST_METHODS };
+static const char *const mt_twist_methods[MT_TWIST_METHODS] = {"words", "clmul128"};
 /* Below this many ones, "words" costs less than the method (its stream, 5 us, and 30 ns a row against a fixed
  * cost): only powers of short jumps have so few. */
-static const int mt_words_below[MT_TWIST_METHODS] = {0, 2000, 1000, 500};
+static const int mt_words_below[MT_TWIST_METHODS] = {0, 2000};
 
 #define MT_ROWS 322 /* 64-bit words of a plane: bit i of row k is bit b of w[64 k + i - 16] (0 for n < 0) */
 #define MT_HEAD 10  /* rows the array gives: n = -16 .. 623 */
@@ -254,10 +199,10 @@ static const int mt_words_below[MT_TWIST_METHODS] = {0, 2000, 1000, 500};
 #define MT_DS 11
 
 #ifdef MT_X86
-/* The "clmul" methods, bit-sliced: bit b of out[t] is the parity of c AND bit plane b of w shifted by t + 1, which
+/* The "clmul128" method, bit-sliced: bit b of out[t] is the parity of c AND bit plane b of w shifted by t + 1, which
  * is coefficient 19937 + t of the product of c reversed and the plane over GF(2): a middle product, 64 x 64 bits
- * per carry-less multiplication (PCLMULQDQ) against 32 bits per XOR above. 32 planes x 11 x 312 multiplications:
- * 62, 31 and 16 us with 128-, 256- and 512-bit vectors (1, 2 and 4 at once), plus 4 us for the planes. */
+ * per carry-less multiplication (PCLMULQDQ) against 32 bits per XOR above: 32 planes x 11 x 312 multiplications,
+ * two planes at once. */
 
 /* c' = c reversed and placed so that the results start a word: bit e of c' is c_(19951 - e) (19951 + 16 + 1 is
  * 64 * 312, the offset of out[0] in the product). */
@@ -322,7 +267,7 @@ static const uint64_t mt_twist_mask[32] = { /* all ones for the bits MATRIX_A ha
 /* Rows 10 .. 321: the stream's recurrence plane by plane. Bit b of w[n] is bit b of w[n - 227], XOR bit b + 1 of
  * w[n - 623] (bit 31 of w[n - 624] for b = 30, nothing for b = 31), XOR bit 0 of w[n - 623] where MATRIX_A has
  * bit b: rows k - 4 and k - 3, k - 10 and k - 9, at fixed shifts. */
-MT_INLINE void mt_grow_planes(uint64_t *P) {
+static inline void mt_grow_planes(uint64_t *P) {
     for (int k = MT_HEAD; k < MT_ROWS; k++) {
         uint64_t *row = P + 32 * k;
         const uint64_t *r4 = row - 4 * 32, *r3 = row - 3 * 32, *r10 = row - 10 * 32, *r9 = row - 9 * 32;
@@ -374,61 +319,43 @@ __attribute__((target("ssse3"))) static void mt_unplane(const uint64_t *R, uint3
     }
 }
 
-/* The kernels. A vector holds c'[i] in every 64-bit lane and a row of as many planes side by side: selector 0x00
- * multiplies the even planes (low halves of its 128-bit lanes), 0x10 the odd ones. Per group of planes, the sums
- * for d = 311 .. 321 in registers, 6 at a time (the 16 registers of SSE and AVX2; AVX-512 has 32, and 6 at a time
- * is as fast there). Result row m of a plane: the low half of sum d = 312 + m XOR the high half of sum d = 311 + m. */
-#define MT_CLMUL_KERNEL(name, isa, vec, lanes, zero, set1, loadu, storeu, clmul, xorv)                                 \
-    __attribute__((target(isa))) static void name(uint64_t *P, const uint64_t *c, uint64_t *R) {                       \
-        mt_grow_planes(P);                                                                                             \
-        for (int group = 0; group < 32 / (lanes); group++) {                                                           \
-            uint64_t even[MT_DS][lanes], odd[MT_DS][lanes];                                                            \
-            for (int first = 0; first < MT_DS; first += 6) {                                                           \
-                int n = MT_DS - first < 6 ? MT_DS - first : 6;                                                         \
-                vec e[6], o[6];                                                                                        \
-                for (int x = 0; x < 6; x++) {                                                                          \
-                    e[x] = o[x] = zero();                                                                              \
-                }                                                                                                      \
-                for (int i = 0; i < MT_WORDS; i++) {                                                                   \
-                    vec ci = set1((long long)c[i]);                                                                    \
-                    const uint64_t *rows = P + 32 * (MT_D0 + first - i) + (lanes) * group;                             \
-                    for (int x = 0; x < 6; x++) {                                                                      \
-                        if (x < n) {                                                                                   \
-                            vec p = loadu((const void *)(rows + 32 * x));                                              \
-                            e[x] = xorv(e[x], clmul(ci, p, 0x00));                                                     \
-                            o[x] = xorv(o[x], clmul(ci, p, 0x10));                                                     \
-                        }                                                                                              \
-                    }                                                                                                  \
-                }                                                                                                      \
-                for (int x = 0; x < n; x++) {                                                                          \
-                    storeu((void *)even[first + x], e[x]);                                                             \
-                    storeu((void *)odd[first + x], o[x]);                                                              \
-                }                                                                                                      \
-            }                                                                                                          \
-            for (int m = 0; m < MT_OUT; m++) {                                                                         \
-                uint64_t *r = R + 32 * m + (lanes) * group;                                                            \
-                for (int q = 0; q < (lanes) / 2; q++) {                                                                \
-                    r[2 * q] = even[m + 1][2 * q] ^ even[m][2 * q + 1];                                                \
-                    r[2 * q + 1] = odd[m + 1][2 * q] ^ odd[m][2 * q + 1];                                              \
-                }                                                                                                      \
-            }                                                                                                          \
-        }                                                                                                              \
+/* The kernel. A vector holds c'[i] in both 64-bit lanes and a row of two planes side by side: selector 0x00
+ * multiplies the even plane (the low half), 0x10 the odd one. Per pair of planes, the sums for d = 311 .. 321 in
+ * registers, 6 at a time (SSE has 16). Result row m of a plane: the low half of sum d = 312 + m XOR the high half of
+ * sum d = 311 + m. */
+__attribute__((target("pclmul,sse4.1"))) static void mt_clmul128(uint64_t *P, const uint64_t *c, uint64_t *R) {
+    mt_grow_planes(P);
+    for (int pair = 0; pair < 16; pair++) {
+        uint64_t even[MT_DS][2], odd[MT_DS][2];
+        for (int first = 0; first < MT_DS; first += 6) {
+            int n = MT_DS - first < 6 ? MT_DS - first : 6;
+            __m128i e[6], o[6];
+            for (int x = 0; x < 6; x++) {
+                e[x] = o[x] = _mm_setzero_si128();
+            }
+            for (int i = 0; i < MT_WORDS; i++) {
+                __m128i ci = _mm_set1_epi64x((long long)c[i]);
+                const uint64_t *rows = P + 32 * (MT_D0 + first - i) + 2 * pair;
+                for (int x = 0; x < 6; x++) {
+                    if (x < n) {
+                        __m128i p = _mm_loadu_si128((const __m128i *)(rows + 32 * x));
+                        e[x] = _mm_xor_si128(e[x], _mm_clmulepi64_si128(ci, p, 0x00));
+                        o[x] = _mm_xor_si128(o[x], _mm_clmulepi64_si128(ci, p, 0x10));
+                    }
+                }
+            }
+            for (int x = 0; x < n; x++) {
+                _mm_storeu_si128((__m128i *)even[first + x], e[x]);
+                _mm_storeu_si128((__m128i *)odd[first + x], o[x]);
+            }
+        }
+        for (int m = 0; m < MT_OUT; m++) {
+            uint64_t *r = R + 32 * m + 2 * pair;
+            r[0] = even[m + 1][0] ^ even[m][1];
+            r[1] = odd[m + 1][0] ^ odd[m][1];
+        }
     }
-
-static inline __m128i mt_load128(const void *p) { return _mm_loadu_si128((const __m128i *)p); }
-static inline void mt_store128(void *p, __m128i v) { _mm_storeu_si128((__m128i *)p, v); }
-MT_CLMUL_KERNEL(mt_clmul128, "pclmul,sse4.1", __m128i, 2, _mm_setzero_si128, _mm_set1_epi64x, mt_load128,
-                mt_store128, _mm_clmulepi64_si128, _mm_xor_si128)
-__attribute__((target("avx2"))) static inline __m256i mt_load256(const void *p) {
-    return _mm256_loadu_si256((const __m256i *)p);
 }
-__attribute__((target("avx2"))) static inline void mt_store256(void *p, __m256i v) {
-    _mm256_storeu_si256((__m256i *)p, v);
-}
-MT_CLMUL_KERNEL(mt_clmul256, "avx2,pclmul,vpclmulqdq", __m256i, 4, _mm256_setzero_si256, _mm256_set1_epi64x,
-                mt_load256, mt_store256, _mm256_clmulepi64_epi128, _mm256_xor_si256)
-MT_CLMUL_KERNEL(mt_clmul512, "avx512f,pclmul,vpclmulqdq", __m512i, 8, _mm512_setzero_si512, _mm512_set1_epi64,
-                _mm512_loadu_si512, _mm512_storeu_si512, _mm512_clmulepi64_epi128, _mm512_xor_si512)
 #endif
 
 static int mt_twist_supported(int method) {
@@ -438,37 +365,34 @@ static int mt_twist_supported(int method) {
 #ifdef MT_X86
     case MT_BY_CLMUL128:
         return __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
-    case MT_BY_CLMUL256:
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("vpclmulqdq");
-    case MT_BY_CLMUL512:
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("vpclmulqdq");
 #endif
     default:
         return 0;
     }
 }
 
-/* The best method this CPU and build support, out of `count` (the last supported one). */
-static int mt_best(int (*supported)(int), int count) {
+/* The best method of mt19937_twisted this CPU and build support (the last supported one). */
+static int mt_best(void) {
     int best = 0;
-    for (int method = 1; method < count; method++) {
-        if (supported(method)) {
+    for (int method = 1; method < MT_TWIST_METHODS; method++) {
+        if (mt_twist_supported(method)) {
             best = method;
         }
     }
     return best;
 }
 
-/* The method `name` names, or -1 with an exception set: not a str, no such method, or one this CPU or build lacks. */
-static int mt_method(PyObject *name, const char *function, const char *const *names, int count,
-                     int (*supported)(int)) {
+/* The method of mt19937_twisted `name` names, or -1 with an exception set: not a str, no such method, or one this
+ * CPU or build lacks. */
+static int mt_method(PyObject *name) {
+    const char *function = "mt19937_twisted";
     if (!PyUnicode_Check(name)) {
         PyErr_Format(PyExc_TypeError, "%s: `method` must be a str, got %.100s", function, Py_TYPE(name)->tp_name);
         return -1;
     }
-    for (int method = 0; method < count; method++) {
-        if (PyUnicode_CompareWithASCIIString(name, names[method]) == 0) {
-            if (!supported(method)) {
+    for (int method = 0; method < MT_TWIST_METHODS; method++) {
+        if (PyUnicode_CompareWithASCIIString(name, mt_twist_methods[method]) == 0) {
+            if (!mt_twist_supported(method)) {
                 PyErr_Format(PyExc_ValueError,
                              "%s: method %R needs CPU features this machine lacks, or a build that has it; use one "
                              "of those mt19937_methods() lists",
@@ -483,16 +407,8 @@ static int mt_method(PyObject *name, const char *function, const char *const *na
 }
 
 static PyObject *mt19937_power_of_x(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 && nargs != 3) {
-        PyErr_Format(PyExc_TypeError,
-                     "mt19937_power_of_x expected 2 arguments (exponent, modulus) and an optional method, got %zd",
-                     nargs);
-        return NULL;
-    }
-    int method = mt_best(mt_power_supported, MT_POWER_METHODS);
-    if (nargs == 3 && args[2] != Py_None &&
-        (method = mt_method(args[2], "mt19937_power_of_x", mt_power_methods, MT_POWER_METHODS, mt_power_supported)) <
-            0) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "mt19937_power_of_x expected 2 arguments (exponent, modulus), got %zd", nargs);
         return NULL;
     }
     Py_buffer exponent, modulus;
@@ -543,18 +459,7 @@ static PyObject *mt19937_power_of_x(PyObject *Py_UNUSED(module), PyObject *const
         top = 2 * top + digit;
     }
     a[top >> 6] = (uint64_t)1 << (top & 63);
-    switch (method) {
-#ifdef MT_X86
-    case MT_SQUARING_AVX512:
-        mt_squarings_avx512(a, digits, bit, bits, terms, count, work);
-        break;
-    case MT_SQUARING_AVX2:
-        mt_squarings_avx2(a, digits, bit, bits, terms, count, work);
-        break;
-#endif
-    default:
-        mt_squarings(a, digits, bit, bits, terms, count, work);
-    }
+    mt_squarings(a, digits, bit, bits, terms, count, work);
     for (int k = 0; k < MT_POLY_BYTES; k++) { /* little-endian bytes, whatever the machine's order */
         out[k] = (unsigned char)(a[k >> 3] >> (8 * (k & 7)));
     }
@@ -617,7 +522,7 @@ static PyObject *mt19937_twisted(PyObject *Py_UNUSED(module), PyObject *const *a
     }
     int method = -1; /* chosen by the count of ones unless forced */
     if (nargs == 3 && args[2] != Py_None &&
-        (method = mt_method(args[2], "mt19937_twisted", mt_twist_methods, MT_TWIST_METHODS, mt_twist_supported)) < 0) {
+        (method = mt_method(args[2])) < 0) {
         return NULL;
     }
     Py_buffer array, coefficients;
@@ -638,7 +543,7 @@ static PyObject *mt19937_twisted(PyObject *Py_UNUSED(module), PyObject *const *a
     }
     const unsigned char *c = coefficients.buf;
     if (method < 0) {
-        int best = mt_best(mt_twist_supported, MT_TWIST_METHODS);
+        int best = mt_best();
         method = mt_count_ones(c) < mt_words_below[best] ? MT_BY_WORDS : best;
     }
     scratch = mt_scratch_take();
@@ -667,13 +572,7 @@ static PyObject *mt19937_twisted(PyObject *Py_UNUSED(module), PyObject *const *a
         uint64_t reversed[MT_WORDS], results[32 * MT_OUT], *planes = (uint64_t *)scratch;
         mt_reversed(c, reversed);
         mt_head_planes(w, planes);
-        if (method == MT_BY_CLMUL512) {
-            mt_clmul512(planes, reversed, results);
-        } else if (method == MT_BY_CLMUL256) {
-            mt_clmul256(planes, reversed, results);
-        } else {
-            mt_clmul128(planes, reversed, results);
-        }
+        mt_clmul128(planes, reversed, results);
         mt_unplane(results, out);
     }
 #endif
@@ -692,12 +591,12 @@ done:
     return result;
 }
 
-/* The names of the methods out of `count` that this CPU and build support, as a tuple. */
-static PyObject *mt_supported_names(const char *const *names, int count, int (*supported)(int)) {
+/* The names of the methods of mt19937_twisted that this CPU and build support, as a tuple. */
+static PyObject *mt_supported_names(void) {
     PyObject *list = PyList_New(0);
-    for (int method = 0; list != NULL && method < count; method++) {
-        if (supported(method)) {
-            PyObject *name = PyUnicode_FromString(names[method]);
+    for (int method = 0; list != NULL && method < MT_TWIST_METHODS; method++) {
+        if (mt_twist_supported(method)) {
+            PyObject *name = PyUnicode_FromString(mt_twist_methods[method]);
             if (name == NULL || PyList_Append(list, name) < 0) {
                 Py_CLEAR(list);
             }
@@ -713,26 +612,23 @@ static PyObject *mt_supported_names(const char *const *names, int count, int (*s
 }
 
 static PyObject *mt19937_methods(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
-    PyObject *power = mt_supported_names(mt_power_methods, MT_POWER_METHODS, mt_power_supported);
-    PyObject *twist = power == NULL ? NULL : mt_supported_names(mt_twist_methods, MT_TWIST_METHODS, mt_twist_supported);
-    PyObject *result = twist == NULL ? NULL : Py_BuildValue("{sOsO}", "power_of_x", power, "twisted", twist);
-    Py_XDECREF(power);
+    PyObject *twist = mt_supported_names();
+    PyObject *result = twist == NULL ? NULL : Py_BuildValue("{sO}", "twisted", twist);
     Py_XDECREF(twist);
     return result;
 }
 
 static PyMethodDef methods[] = {
     {"mt19937_power_of_x", (PyCFunction)(void (*)(void))mt19937_power_of_x, METH_FASTCALL,
-     "mt19937_power_of_x(exponent, modulus, method=None, /)\n--\n\nx^exponent mod modulus over GF(2), bit-packed: "
-     "exponent as big-endian bytes, modulus MT19937's characteristic polynomial; method one of "
-     "mt19937_methods()['power_of_x'] (None: the best)."},
+     "mt19937_power_of_x(exponent, modulus, /)\n--\n\nx^exponent mod modulus over GF(2), bit-packed: exponent as "
+     "big-endian bytes, modulus MT19937's characteristic polynomial."},
     {"mt19937_twisted", (PyCFunction)(void (*)(void))mt19937_twisted, METH_FASTCALL,
      "mt19937_twisted(array, coefficients, method=None, /)\n--\n\nReplace the MT19937 array (624 uint64 words) in "
      "place by XOR_j c_j w[j + i], i = 1 .. 624, of its untempered words w; method one of "
      "mt19937_methods()['twisted'] (None: chosen by the coefficients)."},
     {"mt19937_methods", mt19937_methods, METH_NOARGS,
-     "mt19937_methods()\n--\n\nThe methods of mt19937_power_of_x and mt19937_twisted this CPU and build support, "
-     "by function name: {'power_of_x': (...), 'twisted': (...)}, the default last."},
+     "mt19937_methods()\n--\n\nThe methods of mt19937_twisted this CPU and build support, by function name: "
+     "{'twisted': (...)}, the default last."},
     {NULL, NULL, 0, NULL},
 };
 
