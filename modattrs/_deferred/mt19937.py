@@ -113,9 +113,9 @@ __all__ = [
 #: 0.025 ms), so 0; with the torch path alone at about 11 ms.
 DRAWING_CROSSOVER = 0 if _speedups is not None else 5_000_000
 _CARRY_LESS = _speedups is not None and _speedups.mt19937_methods()["twisted"][-1] != "words"  # this CPU has it
-#: What a jump to a distance of 10^6 outputs or more costs, counted in outputs drawn in that time (module docstring):
-#: with the C extension 0.033 ms (repeated distance) to 0.17 ms (fresh, up to 2^32) on a CPU with carry-less
-#: multiplication, 0.3 to 0.8 ms on one without; 5 to 12 ms with the torch path.
+#: What a jump to a distance of 10^6 outputs or more costs, counted in outputs drawn in that time: between what a
+#: repeated distance and a fresh one cost (``docs/benchmarks.rst``, "Jumping the generator"), with the C extension
+#: on a CPU with carry-less multiplication, on one without, and with the torch path.
 FAR_JUMP_COST = 50_000 if _CARRY_LESS else 200_000 if _speedups is not None else 5_000_000
 
 _STATE_BYTES = CPU_STATE_BYTES
@@ -445,7 +445,8 @@ def _agrees(speedups: object, function: str, method: str) -> bool:
         # Any polynomial serves to compare sums: half its coefficients ones (a far jump's power has as many), none
         # of degree 19,937 or more; and words of a seeded generator.
         generator = torch.Generator(device="cpu").manual_seed(_CHECK_SEED)
-        random = torch.randint(0, 256, (_PACKED_BYTES + _ARRAY_END - _ARRAY_START,), generator=generator)
+        size = (_PACKED_BYTES + _ARRAY_END - _ARRAY_START,)
+        random = torch.randint(0, 256, size, generator=generator, device="cpu")  # whatever the default device is
         drawn = bytes(random.to(torch.uint8).tolist())
         coefficients = drawn[: _PACKED_BYTES - 1] + bytes([drawn[_PACKED_BYTES - 1] & 1])
         arrays = [bytearray(drawn[_PACKED_BYTES:]) for _ in range(2)]
