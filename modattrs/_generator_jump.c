@@ -11,8 +11,8 @@
  * multiplication (PCLMULQDQ, x86-64 CPUs since 2010), chosen at run time by the CPU's features. mt19937_methods()
  * names those this CPU and build support, best last, and an optional last argument forces one (tests compare them;
  * mt19937.py checks "clmul128" against "words" at its first use in a process). Only methods with a gain measured on
- * a replay are kept (docs/benchmarks.rst, "Jumping the generator", has the figures): wider vectors (AVX2, AVX-512)
- * for either loop gained less there than the noise of the measure, and were removed.
+ * a replay are kept (docs/benchmarks.rst, "Jumping the generator", has the figures and the reasons): wider vectors
+ * for either loop gained less there than the measure's noise (AVX2) or could not be measured (AVX-512).
  *
  * The module is optional, as modattrs/_speedups.c is: pip builds it when a C compiler is there, and without it
  * mt19937.py jumps with torch's FFTs. */

@@ -53,8 +53,8 @@ Each step has two implementations with the same results, bit for bit: C routines
   terms of a short jump's power, the rows ``w[j + 1 ..]`` with ``c_j = 1`` are XORed 24 output words at a time.
   The extension picks per CPU at run time, and the carry-less method is checked against the portable one at its
   first use in a process (Note [Each jump method checked where it runs]): if it disagrees it is not used again,
-  with a warning. Wider vectors (AVX2, AVX-512) for the sums or the squarings gained nothing measurable on a replay
-  (``docs/benchmarks.rst``), and are not kept.
+  with a warning. Wider vectors for the sums or the squarings are not kept: on a replay they gained less than the
+  measure's noise (AVX2) or could not be measured (AVX-512; ``docs/benchmarks.rst`` says why).
 - torch: the sums per bit of the words, by FFT (for ``M < 19937`` the words are read off the stream). ``x^M mod p``
   bit by bit of ``M`` by the transpose of Bostan and Mori's halving step (``[x^N] P/Q = [x^(N//2)]
   (P Q)_(N mod 2) / Q`` over GF(2), where ``Q(x) Q(-x) = Q(x^2)``): one FFT correlation of length 20,000 per bit of
