@@ -26,6 +26,8 @@ from torch.overrides import TorchFunctionMode
 import modattrs
 import modattrs.virtual
 from modattrs import VirtualTensor
+from modattrs._compiled import generator_jump
+from modattrs._deferred import mt19937
 from modattrs.deferred import deferred_init, is_deferred, materialize_module
 from modattrs.fake import fake_copy, fake_mode, is_fake
 
@@ -319,22 +321,41 @@ def test_a_torch_function_mode_sees_the_same_calls_from_both_readers(device: str
     assert any("arange" in call for call in calls[0])
 
 
-def test_a_build_of_another_version_of_the_c_file_fails_the_import_saying_to_rebuild() -> None:
-    # What a checkout holds after modattrs/_speedups.c changed and nobody reinstalled: an extension whose bind()
-    # takes other arguments.
-    code = """if True:
+def test_the_compiled_generator_jump_is_built_and_jumps_use_it() -> None:
+    assert generator_jump is not None, (
+        "modattrs._generator_jump was not built: pip builds it from modattrs/_generator_jump.c when a C compiler and "
+        "Python's headers are there at install time; reinstall (pip install -e .) with them to test it"
+    )
+    assert mt19937._speedups is generator_jump
+
+
+@pytest.mark.parametrize(
+    ("extension", "defined"),
+    [
+        ("_speedups", "bind = lambda cls: None; read = lambda attribute: None"),
+        ("_generator_jump", "mt19937_twisted = 0"),
+    ],
+)
+def test_a_build_of_another_version_of_a_c_file_fails_the_import_saying_to_rebuild(
+    extension: str, defined: str
+) -> None:
+    # What a checkout holds after a C file changed and nobody reinstalled: an extension without all that the C file
+    # now defines (modattrs/_speedups.c: a bind() of other arguments).
+    code = f"""if True:
         import sys, types
-        stale = types.ModuleType("modattrs._speedups")
-        stale.__file__ = "/checkout/modattrs/_speedups.so"
-        stale.bind = lambda cls: None
-        stale.read = lambda attribute: None
-        sys.modules["modattrs._speedups"] = stale
+        stale = types.ModuleType("modattrs.{extension}")
+        stale.__file__ = "/checkout/modattrs/{extension}.so"
+        exec("{defined}", stale.__dict__)
+        sys.modules["modattrs.{extension}"] = stale
         import modattrs
     """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert result.returncode == 1
-    assert "ImportError: modattrs._speedups, the C extension, was built from another version" in result.stderr
-    assert "\nextension: /checkout/modattrs/_speedups.so\n" in result.stderr
+    assert (
+        f"ImportError: modattrs.{extension}, a C extension, was built from another version of modattrs/{extension}.c"
+        in result.stderr
+    )
+    assert f"\nextension: /checkout/modattrs/{extension}.so\n" in result.stderr
     assert "pip install -e ." in result.stderr
 
 

@@ -3,8 +3,8 @@
 The reference is torch itself: a generator set to the state, then ``k`` 32-bit outputs drawn by ``uniform_`` on
 float32 tensors, which take one output per element (measured on torch 2.13 by counting the engine's steps, and
 confirmed here: the polynomial jumps, computed without torch's engine, agree with it). Each jump is checked byte for
-byte against the state torch reaches, and by the values drawn after it. Where ``modattrs._speedups`` is built, jumps
-run its C routines, and the tests at the end check them against the torch path that runs without them.
+byte against the state torch reaches, and by the values drawn after it. Where ``modattrs._generator_jump`` is built,
+jumps run its C routines, and the tests at the end check them against the torch path that runs without them.
 """
 
 from __future__ import annotations
@@ -249,14 +249,16 @@ def test_jumps_in_several_threads_at_once_leave_torchs_thread_count_as_it_was(pa
 
 # --- the C routines, the cache of powers, threads and the crossover ------------------------------------------------
 
-needs_speedups = pytest.mark.skipif(mt19937._speedups is None, reason="modattrs._speedups is not built in this install")
+needs_speedups = pytest.mark.skipif(
+    mt19937._speedups is None, reason="modattrs._generator_jump is not built in this install"
+)
 
 
 @contextlib.contextmanager
 def jump_path(path: str) -> Iterator[None]:
     """Jumps by the C routines ("c") or by the torch path that runs without them ("torch"), with no power cached."""
     if path == "c" and mt19937._speedups is None:
-        pytest.skip("modattrs._speedups is not built in this install")
+        pytest.skip("modattrs._generator_jump is not built in this install")
     with speedups_as(mt19937._speedups if path == "c" else None):
         yield
 
@@ -445,39 +447,38 @@ def test_jumped_state_draws_below_the_crossover_and_jumps_from_it(
 # --- each method of the C routines: every CPU runs one, so each is checked here against torch ----------------------
 
 #: Every method the C routines have; those this CPU or build lacks are skipped.
-TWIST_METHODS = ["words", "clmul128", "clmul256", "clmul512"]
-POWER_METHODS = ["squaring", "squaring_avx2", "squaring_avx512"]
+TWIST_METHODS = ["words", "clmul128"]
 
 
 def supported(function: str, method: str) -> None:
-    """Skip unless the C routine ``function`` (``"twisted"`` or ``"power_of_x"``) has ``method`` here."""
+    """Skip unless the C routine ``function`` (``"twisted"``) has ``method`` here."""
     if mt19937._speedups is None:
-        pytest.skip("modattrs._speedups is not built in this install")
+        pytest.skip("modattrs._generator_jump is not built in this install")
     if method not in mt19937._speedups.mt19937_methods()[function]:
         pytest.skip(f"this CPU or build lacks the method {method!r} of mt19937_{function}")
 
 
 class Forced:
-    """``modattrs._speedups`` with its MT19937 routines bound to one method each (None: the default)."""
+    """``modattrs._generator_jump`` with its sums bound to one method (None: the default)."""
 
-    def __init__(self, twist: str | None, power: str | None) -> None:
+    def __init__(self, twist: str | None) -> None:
         assert mt19937._speedups is not None
-        self.module, self.twist, self.power = mt19937._speedups, twist, power
+        self.module, self.twist = mt19937._speedups, twist
 
     def mt19937_twisted(self, array: memoryview, coefficients: bytes, method: str | None = None) -> None:
         self.module.mt19937_twisted(array, coefficients, self.twist or method)
 
-    def mt19937_power_of_x(self, exponent: bytes, modulus: bytes, method: str | None = None) -> bytes:
-        return self.module.mt19937_power_of_x(exponent, modulus, self.power or method)
+    def mt19937_power_of_x(self, exponent: bytes, modulus: bytes) -> bytes:
+        return self.module.mt19937_power_of_x(exponent, modulus)
 
     def mt19937_methods(self) -> dict[str, tuple[str, ...]]:
         return self.module.mt19937_methods()
 
 
 @contextlib.contextmanager
-def forced(twist: str | None = None, power: str | None = None) -> Iterator[None]:
-    """Jumps by the C routines with those methods, with no power cached."""
-    with speedups_as(Forced(twist, power)):
+def forced(twist: str | None = None) -> Iterator[None]:
+    """Jumps by the C routines with that method of the sums, with no power cached."""
+    with speedups_as(Forced(twist)):
         yield
 
 
@@ -529,42 +530,23 @@ def test_each_c_twist_method_gives_the_words_the_torch_path_computes(
     assert torch.equal(torch.frombuffer(array, dtype=torch.int64), expected)
 
 
-@pytest.mark.parametrize("method", POWER_METHODS)
+@needs_speedups
 @settings(max_examples=8, deadline=None)
 @given(exponent=st.one_of(st.integers(0, 40_000), st.integers(0, 2**80)))
-def test_each_c_power_method_gives_the_power_the_torch_path_computes(method: str, exponent: int) -> None:
-    supported("power_of_x", method)
+def test_the_c_power_gives_the_power_the_torch_path_computes(exponent: int) -> None:
     assert mt19937._speedups is not None
-    packed = mt19937._speedups.mt19937_power_of_x(exponent_bytes(exponent), mt19937._P_PACKED, method)
+    packed = mt19937._speedups.mt19937_power_of_x(exponent_bytes(exponent), mt19937._P_PACKED)
     with jump_path("torch"):
         assert packed == mt19937._power_of_x_packed(exponent)
 
 
-@pytest.mark.parametrize("method", POWER_METHODS)
-@pytest.mark.parametrize(
-    ("exponent", "expected"),
-    [(2**19937 - 1, 1), (2 * (2**19937 - 1) + 5, 2**5)],
-    ids=["the period", "twice the period plus 5"],
-)
-def test_each_c_power_method_wraps_around_at_the_period(method: str, exponent: int, expected: int) -> None:
-    supported("power_of_x", method)
-    assert mt19937._speedups is not None
-    packed = mt19937._speedups.mt19937_power_of_x(exponent_bytes(exponent), mt19937._P_PACKED, method)
-    assert int.from_bytes(packed, "little") == expected
-
-
-@pytest.mark.parametrize(
-    ("twist", "power"), [(method, None) for method in TWIST_METHODS] + [(None, method) for method in POWER_METHODS]
-)
+@pytest.mark.parametrize("twist", TWIST_METHODS)
 @pytest.mark.parametrize("distance", [625, 1248, 30_000, 10**6 + 7])
-def test_a_jump_by_each_c_method_lands_where_drawing_lands(twist: str | None, power: str | None, distance: int) -> None:
-    if twist is not None:
-        supported("twisted", twist)
-    if power is not None:
-        supported("power_of_x", power)
+def test_a_jump_by_each_c_method_lands_where_drawing_lands(twist: str, distance: int) -> None:
+    supported("twisted", twist)
     for drawn in STARTS.values():
         start = state_after(31, drawn)
-        with forced(twist, power):
+        with forced(twist):
             jumped = mt19937.advance_by_polynomial(start, distance)
         assert torch.equal(jumped, drawn_state(start, distance)), drawn
 
@@ -573,16 +555,15 @@ def test_a_jump_by_each_c_method_lands_where_drawing_lands(twist: str | None, po
 def test_the_c_methods_are_listed_and_others_refused() -> None:
     assert mt19937._speedups is not None
     methods = mt19937._speedups.mt19937_methods()
+    assert set(methods) == {"twisted"}  # the power has one method
     assert set(methods["twisted"]) <= set(TWIST_METHODS)
-    assert methods["twisted"][0] == "words"  # the portable methods: every build has them
-    assert set(methods["power_of_x"]) <= set(POWER_METHODS)
-    assert methods["power_of_x"][0] == "squaring"
+    assert methods["twisted"][0] == "words"  # the portable method: every build has it
     array = array_of(state_after(1, 0))
     kept = bytes(array)
     with pytest.raises(ValueError, match="mt19937_twisted: no method 'squaring'; use one of those mt19937_methods"):
         mt19937._speedups.mt19937_twisted(array, bytes(2493), "squaring")
     with pytest.raises(TypeError, match="`method` must be a str, got int"):
         mt19937._speedups.mt19937_twisted(array, bytes(2493), 1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="mt19937_power_of_x: no method 'words'"):
-        mt19937._speedups.mt19937_power_of_x(b"\x05", mt19937._P_PACKED, "words")
+    with pytest.raises(TypeError, match=r"mt19937_power_of_x expected 2 arguments \(exponent, modulus\), got 3"):
+        mt19937._speedups.mt19937_power_of_x(b"\x05", mt19937._P_PACKED, "squaring")
     assert array == kept

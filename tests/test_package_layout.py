@@ -80,7 +80,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("saving and loading", {"modattrs._serialization", "modattrs._checkpoint"}),
     ("the attribute core", {"modattrs.virtual", "modattrs.shaped", "modattrs._attribute", "modattrs._cache"}),
     ("helpers", {"modattrs._module_tensors", "modattrs._names", "modattrs._devices", "modattrs._compiled"}),
-    ("the compiled hot paths", {"modattrs._speedups"}),
+    ("the compiled hot paths", {"modattrs._speedups", "modattrs._generator_jump"}),
     ("the compatibility module", {"modattrs._torch_private"}),
 ]
 

@@ -36,7 +36,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def jumps_by(path: str) -> Iterator[None]:
     """Jumps by the C routines ("c") or by the torch path that runs without them ("torch")."""
     if path == "c" and mt19937._speedups is None:
-        pytest.skip("modattrs._speedups is not built in this install")
+        pytest.skip("modattrs._generator_jump is not built in this install")
     with speedups_as(mt19937._speedups if path == "c" else None):
         yield
 

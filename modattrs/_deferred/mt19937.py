@@ -41,7 +41,7 @@ Two ways to get there, and ``jumped_state`` picks per jump (a distance within th
   ``2^19937 - 1``, so any distance works.
 
 Each step has two implementations with the same results, bit for bit: C routines in the optional extension
-``modattrs._speedups``, used when pip built it, and torch code, used when it did not.
+``modattrs._generator_jump``, used when pip built it, and torch code, used when it did not.
 
 - C: ``x^M mod p`` by squaring, one bit of ``M`` at a time from the top (``x^m`` for the top bits while
   ``m < 19937``): a square over GF(2) spreads the bits apart; reducing it by ``p`` finds the quotient's bits from the
@@ -49,11 +49,12 @@ Each step has two implementations with the same results, bit for bit: C routines
   least 623 degrees below its top one), then the remainder's the same way. The sums, bit-sliced: bit ``b`` of
   ``w[M + i]`` is the parity of ``c`` AND bit ``b`` of the words from ``w[i]`` on, a coefficient of the product of
   ``c`` reversed and that bit plane of the stream, so the 32 planes are multiplied by ``c`` carry-less (PCLMULQDQ:
-  64 x 64 bits an instruction, 2 or 4 at once with AVX2 or AVX-512 and VPCLMULQDQ). Without carry-less
-  multiplication (other CPUs, other compilers), and for the few terms of a short jump's power, the rows
-  ``w[j + 1 ..]`` with ``c_j = 1`` are XORed 24 output words at a time. The extension picks per CPU at run time,
-  and each method but the portable ones is checked against them at its first use in a process (Note [Each jump
-  method checked where it runs]): one that disagrees is not used again, with a warning.
+  64 x 64 bits an instruction). Without carry-less multiplication (other CPUs, other compilers), and for the few
+  terms of a short jump's power, the rows ``w[j + 1 ..]`` with ``c_j = 1`` are XORed 24 output words at a time.
+  The extension picks per CPU at run time, and the carry-less method is checked against the portable one at its
+  first use in a process (Note [Each jump method checked where it runs]): if it disagrees it is not used again,
+  with a warning. Wider vectors for the sums or the squarings are not kept: on a replay they gained less than the
+  measure's noise (AVX2) or could not be measured (AVX-512; ``docs/benchmarks.rst`` says why).
 - torch: the sums per bit of the words, by FFT (for ``M < 19937`` the words are read off the stream). ``x^M mod p``
   bit by bit of ``M`` by the transpose of Bostan and Mori's halving step (``[x^N] P/Q = [x^(N//2)]
   (P Q)_(N mod 2) / Q`` over GF(2), where ``Q(x) Q(-x) = Q(x^2)``): one FFT correlation of length 20,000 per bit of
@@ -89,7 +90,7 @@ from dataclasses import dataclass
 
 import torch
 
-from modattrs._compiled import speedups as _speedups
+from modattrs._compiled import generator_jump as _speedups  # the jump's C routines, or None
 from modattrs._torch_private import (
     CPU_STATE_ARRAY,
     CPU_STATE_BYTES,
@@ -112,9 +113,9 @@ __all__ = [
 #: 0.025 ms), so 0; with the torch path alone at about 11 ms.
 DRAWING_CROSSOVER = 0 if _speedups is not None else 5_000_000
 _CARRY_LESS = _speedups is not None and _speedups.mt19937_methods()["twisted"][-1] != "words"  # this CPU has it
-#: What a jump to a distance of 10^6 outputs or more costs, counted in outputs drawn in that time (module docstring):
-#: with the C extension 0.033 ms (repeated distance) to 0.17 ms (fresh, up to 2^32) on a CPU with carry-less
-#: multiplication, 0.3 to 0.8 ms on one without; 5 to 12 ms with the torch path.
+#: What a jump to a distance of 10^6 outputs or more costs, counted in outputs drawn in that time: between what a
+#: repeated distance and a fresh one cost (``docs/benchmarks.rst``, "Jumping the generator"), with the C extension
+#: on a CPU with carry-less multiplication, on one without, and with the torch path.
 FAR_JUMP_COST = 50_000 if _CARRY_LESS else 200_000 if _speedups is not None else 5_000_000
 
 _STATE_BYTES = CPU_STATE_BYTES
@@ -188,10 +189,9 @@ def advance_by_drawing(state: torch.Tensor, outputs: int) -> torch.Tensor:
 
 
 def advance_by_polynomial(state: torch.Tensor, outputs: int) -> torch.Tensor:
-    """``jumped_state``'s result by polynomial jump-ahead: with the C extension about 0.03 ms plus 7 us per bit of
-    ``outputs`` beyond 14, and 0.033 ms for a distance jumped before (on a CPU with AVX-512 and VPCLMULQDQ; others
-    take up to 10 times as long); with the torch path alone (no extension built) about 8 ms plus 0.6 ms per bit, and
-    5 ms for a distance jumped before. Short jumps cost less (module docstring).
+    """``jumped_state``'s result by polynomial jump-ahead: with the C extension a fraction of a millisecond, with the
+    torch path alone (no extension built) several milliseconds (``docs/benchmarks.rst`` has the figures). Short jumps
+    cost less (module docstring).
 
     Same arguments, result and errors as ``jumped_state``; the module docstring describes the method.
     """
@@ -366,13 +366,11 @@ def forget_powers() -> None:
 
 
 def _power_of_x_packed(exponent: int) -> bytes:
-    """``x^exponent mod p``, bit-packed: in C by squaring (7 to 25 us a bit of ``exponent`` past its top 14, by
-    CPU), else by ``_power_of_x`` in torch (about 0.6 ms a bit), with the same result."""
+    """``x^exponent mod p``, bit-packed: in C by squaring, else by ``_power_of_x`` in torch, with the same result."""
     speedups = _speedups
     if speedups is not None:
         big_endian = exponent.to_bytes((exponent.bit_length() + 7) // 8, "big")
-        method = _checked_method(speedups, _POWER)
-        packed: bytes = speedups.mt19937_power_of_x(big_endian, _P_PACKED, None if method.best else method.name)
+        packed: bytes = speedups.mt19937_power_of_x(big_endian, _P_PACKED)
         return packed
     return _packed(_power_of_x(exponent))
 
@@ -381,22 +379,20 @@ def _power_of_x_packed(exponent: int) -> bytes:
 
 # Note [Each jump method checked where it runs]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The C routines have several methods for the same bytes, chosen by the CPU's features at run time (AVX2, AVX-512,
-# carry-less multiplication): a CI host tests only those its CPU has, and a wrong one on a user's CPU would give
-# other weights, silently. So the first time a process is about to use a method other than the portable one
-# (``squaring`` for the power, ``words`` for the sums), that method and the portable one compute the same power (an
-# exponent of 24 bits: 10 squarings past the top 14 bits, each a full pass of the vector loops, as in a far jump)
-# and the same sums (over a polynomial whose coefficients are half ones, as a far jump's power, and a seeded
-# generator's words); a method that disagrees is not used again in the process, with a warning, and the next one
-# down is checked the same way. The checks cost a few milliseconds, once per process; a disabled method costs
-# speed, never a different tensor.
+# The C routine of the sums has two methods for the same bytes, chosen by the CPU's features at run time (carry-less
+# multiplication or not): a CI host tests only those its CPU has, and a wrong one on a user's CPU would give other
+# weights, silently. So the first time a process is about to use a method other than the portable one (``words``),
+# that method and the portable one compute the same sums (over a polynomial whose coefficients are half ones, as a
+# far jump's power, and a seeded generator's words: a full pass of the vector loops); a method that disagrees is not
+# used again in the process, with a warning, and the next one down is checked the same way. The check costs about a
+# millisecond, once per process; a disabled method costs speed, never a different tensor. The power has one method,
+# the portable one.
 
-_POWER, _TWISTED = "power_of_x", "twisted"
-_PORTABLE = {_POWER: "squaring", _TWISTED: "words"}
+_TWISTED = "twisted"
+_PORTABLE = {_TWISTED: "words"}
 #: Below how many terms of ``x^M mod p`` the C routine sums rows of words rather than use carry-less multiplication,
-#: per method (``mt_words_below`` in ``_speedups.c``): used when a checked method is not the routine's own choice.
-_WORDS_BELOW = {"words": 0, "clmul128": 2000, "clmul256": 1000, "clmul512": 500}
-_CHECK_EXPONENT = 0x9E3779  # 24 bits, ones and zeros mixed: 10 squarings past the top 14 bits
+#: per method (``mt_words_below`` in ``_generator_jump.c``): used when a checked method is not the routine's own choice.
+_WORDS_BELOW = {"words": 0, "clmul128": 2000}
 _CHECK_SEED = 20_251_129
 
 
@@ -446,21 +442,17 @@ def _agrees(speedups: object, function: str, method: str) -> bool:
     verdict = _verdicts.get(key)
     if verdict is None:
         portable = _PORTABLE[function]
-        exponent = _CHECK_EXPONENT.to_bytes(3, "big")
-        power_of_x = speedups.mt19937_power_of_x  # type: ignore[attr-defined]
-        if function == _POWER:
-            verdict = power_of_x(exponent, _P_PACKED, method) == power_of_x(exponent, _P_PACKED, portable)
-        else:
-            # Any polynomial serves to compare sums: half its coefficients ones (a far jump's power has as many),
-            # none of degree 19,937 or more; and words of a seeded generator.
-            generator = torch.Generator(device="cpu").manual_seed(_CHECK_SEED)
-            random = torch.randint(0, 256, (_PACKED_BYTES + _ARRAY_END - _ARRAY_START,), generator=generator)
-            drawn = bytes(random.to(torch.uint8).tolist())
-            coefficients = drawn[: _PACKED_BYTES - 1] + bytes([drawn[_PACKED_BYTES - 1] & 1])
-            arrays = [bytearray(drawn[_PACKED_BYTES:]) for _ in range(2)]
-            speedups.mt19937_twisted(memoryview(arrays[0]), coefficients, method)  # type: ignore[attr-defined]
-            speedups.mt19937_twisted(memoryview(arrays[1]), coefficients, portable)  # type: ignore[attr-defined]
-            verdict = arrays[0] == arrays[1]
+        # Any polynomial serves to compare sums: half its coefficients ones (a far jump's power has as many), none
+        # of degree 19,937 or more; and words of a seeded generator.
+        generator = torch.Generator(device="cpu").manual_seed(_CHECK_SEED)
+        size = (_PACKED_BYTES + _ARRAY_END - _ARRAY_START,)
+        random = torch.randint(0, 256, size, generator=generator, device="cpu")  # whatever the default device is
+        drawn = bytes(random.to(torch.uint8).tolist())
+        coefficients = drawn[: _PACKED_BYTES - 1] + bytes([drawn[_PACKED_BYTES - 1] & 1])
+        arrays = [bytearray(drawn[_PACKED_BYTES:]) for _ in range(2)]
+        speedups.mt19937_twisted(memoryview(arrays[0]), coefficients, method)  # type: ignore[attr-defined]
+        speedups.mt19937_twisted(memoryview(arrays[1]), coefficients, portable)  # type: ignore[attr-defined]
+        verdict = arrays[0] == arrays[1]
         _verdicts[key] = verdict
         if not verdict:
             warnings.warn(
