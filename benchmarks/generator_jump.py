@@ -1,4 +1,4 @@
-"""What jumping torch's CPU generator ahead costs (``modattrs._deferred.mt19937``), against drawing.
+"""What jumping torch's CPU generator ahead costs (``modattrs._deferred.rng.mt19937``), against drawing.
 
 Run with ``python benchmarks/generator_jump.py``. For jumps of ``k`` outputs from a state in mid-block it prints the
 cost of a polynomial jump to a fresh distance (``x^M mod p`` computed: the cache of powers emptied before each
@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from modattrs._deferred import mt19937
+from modattrs._deferred.rng import mt19937
 
 RUNS = 9
 DISTANCES = {"1e5": 10**5, "1e6": 10**6, "2^23": 2**23, "2^32": 2**32, "2^64": 2**64}

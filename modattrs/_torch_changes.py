@@ -31,10 +31,10 @@ from typing import Any, cast
 
 import torch
 
-from modattrs._deferred import generator
 from modattrs._deferred.fingerprint import refuse_unless_ranks_agree
 from modattrs._deferred.recorder import recorded_together, scatter_own_chunk
 from modattrs._deferred.replay import state_after
+from modattrs._deferred.rng import generator
 from modattrs._fake import backward, cuda_guard, spoofed_cuda
 from modattrs._fake.mode import ModattrsFakeTensorMode, data_for, data_replaced, deep_copy, note_reduced
 from modattrs._fake.trunc_normal import as_one_normal as trunc_normal_as_one_normal

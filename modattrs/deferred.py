@@ -20,9 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from modattrs import _torch_changes
-from modattrs._deferred import generator, opaque
+from modattrs._deferred import opaque
 from modattrs._deferred.construction import detach_graphs, handed_tensors
-from modattrs._deferred.generator import new_record
 from modattrs._deferred.materialize import materialize, module_tensors, own_tensors_of, recording_mode, ref_of, roots
 from modattrs._deferred.record import DeferredInitError
 from modattrs._deferred.recorder import (
@@ -32,6 +31,8 @@ from modattrs._deferred.recorder import (
     recording_in_this_thread,
 )
 from modattrs._deferred.replay import state_after
+from modattrs._deferred.rng import generator
+from modattrs._deferred.rng.generator import new_record
 from modattrs._devices import as_device
 from modattrs._names import callable_name
 from modattrs._torch_private import (

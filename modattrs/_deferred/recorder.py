@@ -32,8 +32,6 @@ from typing import Any, NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from modattrs._deferred import generator
-from modattrs._deferred.draws import count_depends_on_values
 from modattrs._deferred.record import (
     NO_RESULTS,
     Constant,
@@ -56,6 +54,8 @@ from modattrs._deferred.record import (
     span_bytes,
 )
 from modattrs._deferred.replay import UNFILLED, is_collective, state_after
+from modattrs._deferred.rng import generator
+from modattrs._deferred.rng.draws import count_depends_on_values
 from modattrs._fake import cuda_guard
 from modattrs._fake.mode import CONSTANT_LIMIT, ModattrsFakeTensorMode
 from modattrs._names import callable_name, where

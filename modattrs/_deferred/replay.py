@@ -22,8 +22,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from modattrs._deferred import draws, generator, windows
+from modattrs._deferred import windows
 from modattrs._deferred.record import Copies, DeferredInitError, Op, Point, Record, private_results, reads_no_values
+from modattrs._deferred.rng import draws, generator
 from modattrs._torch_private import OpOverload, tree_flatten, written_arguments
 
 __all__: list[str] = []

@@ -91,8 +91,8 @@ from typing import Any
 
 import torch
 
-from modattrs._deferred import draws, generator
 from modattrs._deferred.record import Copies, Layout, Op, Record, Slot, reads_no_values
+from modattrs._deferred.rng import draws, generator
 from modattrs._torch_private import OpOverload, contiguous_strides, operator_arguments, written_arguments
 
 __all__: list[str] = []

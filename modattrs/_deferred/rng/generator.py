@@ -66,9 +66,9 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from modattrs._deferred import draws
-from modattrs._deferred.mt19937 import jumped_state
 from modattrs._deferred.record import DeferredInitError, Op, Point, Position, Record, scratch_arguments
+from modattrs._deferred.rng import draws
+from modattrs._deferred.rng.mt19937 import jumped_state
 from modattrs._torch_private import FakeTensor, disable_current_modes
 
 __all__: list[str] = []
