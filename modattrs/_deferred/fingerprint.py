@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 from modattrs._deferred.record import Constant, DeferredInitError, Draws, Op, Position, Record, span_bytes
 from modattrs._deferred.recorder import RecordingFakeTensorMode
-from modattrs._deferred.replay import needed_ops
 from modattrs._deferred.rng import generator
+from modattrs._deferred.slicing import needed_ops
 from modattrs._names import callable_name
 from modattrs._torch_private import FakeTensor, disable_current_modes
 

@@ -413,7 +413,7 @@ class Record:
     cpu_draws: list[int] = field(default_factory=list)  # those of them that ran on the CPU (draws_on_cpu)
     cpu_resets: list[int] = field(default_factory=list)  # those of the CPU draws with a reset
     touching: dict[int, list[int]] = field(default_factory=dict)  # storage -> the operations that touch it (Op.touched)
-    # For slicing without a pass over every operation (Note [Slicing from the needed tensors] in replay):
+    # For slicing without a pass over every operation (Note [Slicing from the needed tensors] in slicing):
     writing: dict[int, list[int]] = field(default_factory=dict)  # storage -> the operations that write it (Op.writes)
     returning: dict[int, list[int]] = field(default_factory=dict)  # ref -> the operations returning it (Op.out_refs)
     pinned: list[int] = field(default_factory=list)  # the operations that are pinned (Op.pinned)

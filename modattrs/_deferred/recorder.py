@@ -492,7 +492,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         """Append ``op`` to the record, noting what replays would otherwise find in a pass over the record: the
         devices it names and whether it is a collective (``replay._check_devices``, ``replay._refuse_collectives``),
         whether it draws from a default generator and from a reset (``generator.Walk``), the storages it touches
-        (``windows``), what it writes and returns and whether it is pinned (``replay._slice``), and whether it is a
+        (``windows``), what it writes and returns and whether it is pinned (``slicing.slice_of``), and whether it is a
         factory that fills what it makes (``replay._dead_fills``). Each replay, and each draw recorded after
         ``deferred_init`` returned, then costs what it uses of the record, not a pass over all of it."""
         record, index = self.record, len(self.record.ops)

@@ -30,7 +30,7 @@ would). Code that draws before materializing (a new head, a data order, a dropou
 numbers, and a record so settled is replayed without touching the generator: a full materialization leaves it
 where it finds it, which is where eager code has it. Settling after a draw starts from the state before it (the
 draw's reset: the generator was settled after the previous one), so that it costs that one draw, not a walk of the
-record (Note [Slicing from the needed tensors] in ``replay``): ``model.apply(init)`` on a deferred model stays
+record (Note [Slicing from the needed tensors] in ``slicing``): ``model.apply(init)`` on a deferred model stays
 linear in its draws. Until then (while ``deferred_init`` records, and for a
 record drawn into from inside another ``deferred_init``) the position is a point, as described above.
 
