@@ -33,7 +33,6 @@ import torch
 
 from modattrs._deferred.fingerprint import refuse_unless_ranks_agree
 from modattrs._deferred.recorder import recorded_together, scatter_own_chunk
-from modattrs._deferred.replay import state_after
 from modattrs._deferred.rng import generator
 from modattrs._fake import backward, cuda_guard, spoofed_cuda
 from modattrs._fake.mode import ModattrsFakeTensorMode, data_for, data_replaced, deep_copy, note_reduced
@@ -172,7 +171,7 @@ def install_deferred() -> None:
         for name, wrap in (
             ("manual_seed", generator.seeding),
             ("set_rng_state", generator.restoring),
-            ("get_rng_state", functools.partial(generator.saving, resolve=state_after)),
+            ("get_rng_state", generator.saving),
         ):
             _replace_under_both_names(name, wrap)
         _deferred_installed = True

@@ -30,7 +30,6 @@ from modattrs._deferred.recorder import (
     recording,
     recording_in_this_thread,
 )
-from modattrs._deferred.replay import state_after
 from modattrs._deferred.rng import generator
 from modattrs._deferred.rng.generator import new_record
 from modattrs._devices import as_device
@@ -104,7 +103,7 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
                 ref_of(label, tensor)  # every fake one is accounted for now, not found missing at materialization
         record.root = weakref.ref(module)
         roots[module] = mode
-        generator.settle(record, state_after)  # the generator where eager construction leaves it, from now on
+        generator.settle(record)  # the generator where eager construction leaves it, from now on
     return module
 
 

@@ -53,7 +53,7 @@ from modattrs._deferred.record import (
     snapshot,
     span_bytes,
 )
-from modattrs._deferred.replay import UNFILLED, is_collective, state_after
+from modattrs._deferred.replay import UNFILLED, is_collective
 from modattrs._deferred.rng import generator
 from modattrs._deferred.rng.draws import count_depends_on_values
 from modattrs._fake import cuda_guard
@@ -482,7 +482,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             self._append(op, pending.facts)
             generator.drew(self.record)
             if not recording_in_this_thread():  # initialization of a deferred module: as eager code draws, now
-                generator.settle(self.record, state_after)
+                generator.settle(self.record)
             return
         elif pending.draws is Draws.DEFAULT:
             op.reset = generator.reset_for_other_device(self.record)

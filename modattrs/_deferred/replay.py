@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from modattrs._deferred import windows
-from modattrs._deferred.record import Copies, DeferredInitError, Op, Point, Record, reads_no_values
+from modattrs._deferred.record import Copies, DeferredInitError, Op, Record, reads_no_values
 from modattrs._deferred.rng import draws, generator
 from modattrs._deferred.slicing import Slice, keep_results, slice_of
 from modattrs._torch_private import OpOverload, written_arguments
@@ -40,7 +40,7 @@ def replay(
     caller reseeded it since); otherwise the replay stops after the last operation needed and the generator is put
     back as it was.
     """
-    with generator.replaying(record, device, state_after, to_end=to_end) as walk:
+    with generator.replaying(record, device, to_end=to_end) as walk:
         sliced = slice_of(record, targets)
         _check_devices(record, sliced.kept, device)
         _refuse_collectives(record, sliced.kept, targets, labels)
@@ -50,15 +50,6 @@ def replay(
         if to_end and not record.settled:  # a settled record's end is where the generator is already
             walk.reach(len(record.ops))
         return {ref: env[ref] for ref in targets}
-
-
-def state_after(point: Point) -> torch.Tensor:
-    """The default CPU generator's state after the first ``count`` operations of ``record`` drew, as in eager code."""
-    record, count = point
-    with generator.replaying(record, None, state_after, to_end=False) as walk:
-        _run_kept(record.ops, slice_of(record, {}, count), {}, None, walk)  # draws that depend on values run for real
-        walk.reach(count)
-        return generator.real_state()
 
 
 def _run_kept(

@@ -66,9 +66,10 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from modattrs._deferred.record import DeferredInitError, Op, Point, Position, Record, scratch_arguments
+from modattrs._deferred.record import Copies, DeferredInitError, Op, Point, Position, Record, scratch_arguments
 from modattrs._deferred.rng import draws
 from modattrs._deferred.rng.mt19937 import jumped_state
+from modattrs._deferred.slicing import keep_results, slice_of
 from modattrs._torch_private import FakeTensor, disable_current_modes
 
 __all__: list[str] = []
@@ -179,9 +180,9 @@ def restoring(func: Callable[..., None]) -> Callable[..., None]:
     return restoring
 
 
-def saving(func: Callable[..., torch.Tensor], resolve: Resolve) -> Callable[..., torch.Tensor]:
+def saving(func: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``torch.get_rng_state`` (``func``). At a point of a record, it returns the state eager code has there
-    (``resolve``, a replay of the record's draws up to that point: the real generator is elsewhere), tagged with
+    (``state_at``, a replay of the record's draws up to that point: the real generator is elsewhere), tagged with
     the point, so that putting it back returns there, and drawing from it gives eager code's numbers. Its arguments
     (torch's takes none) are handed to ``func`` as given."""
 
@@ -194,7 +195,7 @@ def saving(func: Callable[..., torch.Tensor], resolve: Resolve) -> Callable[...,
             at = position(state)
             if isinstance(at, torch.Tensor):
                 return state
-            eager = resolve(at)  # a tensor of its own: the caller may change it
+            eager = state_at(at)  # a tensor of its own: the caller may change it
             _tags[eager] = at
             return eager
 
@@ -262,12 +263,12 @@ def drew(record: Record) -> None:
         move_to(point)
 
 
-def settle(record: Record, state_after: Resolve) -> None:
+def settle(record: Record) -> None:
     """Put the real generator where eager code has it after ``record``'s draws, if it is at the record's point
     (nothing reseeded it since the last draw); see Note [The generator where eager code has it]."""
     with lock:
         if position() is record.point and not isinstance(record.point, torch.Tensor):
-            _set_state(state_after(record.point))
+            _set_state(state_at(record.point))
             _forget_point_of(record)  # the real state now is what the point stood for
             record.states.pop("", None)  # what working it out passed: replays jump from the start as cheaply
         record.settled = True
@@ -285,13 +286,35 @@ def reset_for_other_device(record: Record) -> torch.Tensor | None:
 
 # --- replays ----------------------------------------------------------------------------------------------------------
 
-Resolve = Callable[[Point], torch.Tensor]  # the state a point of a record stands for (a replay of that record)
+
+def state_at(point: Point) -> torch.Tensor:
+    """The default CPU generator's state at ``point`` (after the first ``count`` operations of ``record`` drew), as
+    in eager code: the record's draws up to there jumped over, and those whose count of outputs depends on values
+    (the pinned ones) run for real, with what they read."""
+    record, count = point
+    with replaying(record, None, to_end=False) as walk:
+        sliced = slice_of(record, {}, count)  # nothing is needed but the pinned operations and what they read
+        env: dict[int, torch.Tensor] = {}
+        copies: Copies = {}
+        for index in sliced.kept:
+            op = record.ops[index]
+            drawn = walk.is_draw(index)
+            if drawn:
+                walk.before(index)
+            args, kwargs = op.arguments({slot.index: env[slot.ref] for slot in op.slots}, None, copies=copies)
+            keep_results(op, op.func(*args, **kwargs), env, sliced.wanted, None, copies)
+            if drawn:
+                walk.ran(index)
+            for ref in sliced.frees.get(index, ()):
+                env.pop(ref, None)
+        walk.reach(count)
+        return real_state()
 
 
 class Walk:
     """Moves the default CPU generator along one record's CPU draws, for one replay (see the module's docstring)."""
 
-    def __init__(self, record: Record, device: torch.device | None, resolve: Resolve) -> None:
+    def __init__(self, record: Record, device: torch.device | None) -> None:
         self.record = record
         self.device = device
         # The record's own lists (draws_on_cpu of each, noted as it was recorded), read and never changed here: a
@@ -301,7 +324,6 @@ class Walk:
         self.states = record.states.setdefault("" if device is None else str(device), {})
         self.live: int | None = None  # the generator holds the state after the first `live` operations ...
         self.pending = 0  # ... but for this many outputs, which it is yet to be jumped over
-        self._resolve = resolve
         self._scratch: dict[int, torch.Tensor] = {}  # memory the draws it runs without keeping write into
         self._outputs: dict[int, int | None] = {}  # by draw: see _outputs_of
         self._patterns: dict[int, draws.Pattern | None] = {}  # by draw: see pattern_of
@@ -471,7 +493,7 @@ class Walk:
         return self.record.start
 
     def _state_of(self, position: Position) -> torch.Tensor:
-        return position if isinstance(position, torch.Tensor) else self._resolve(position)
+        return position if isinstance(position, torch.Tensor) else state_at(position)
 
 
 def _draws_for(record: Record, device: torch.device | None) -> tuple[list[int], list[int]]:
@@ -514,7 +536,7 @@ def _call_key(op: Op, device: torch.device | None) -> tuple[Any, ...] | None:
 
 
 @contextlib.contextmanager
-def replaying(record: Record, device: torch.device | None, resolve: Resolve, *, to_end: bool) -> Iterator[Walk]:
+def replaying(record: Record, device: torch.device | None, *, to_end: bool) -> Iterator[Walk]:
     """Run a replay of ``record``, one at a time, with the walk that moves the generator along its draws.
 
     Afterwards the generator is put back, unless the replay ran ``to_end`` (every draw
@@ -526,7 +548,7 @@ def replaying(record: Record, device: torch.device | None, resolve: Resolve, *, 
         keep = to_end and not record.settled and (position() is record.point or epoch == record.point_epoch)
         with suspended(), disable_current_modes(), torch.no_grad():
             saved = real_state()
-            walk = Walk(record, device, resolve)
+            walk = Walk(record, device)
             finished = False
             try:
                 yield walk
