@@ -10,16 +10,14 @@ generator, the replay asks it to set the state eager code drew from. Operations 
 from __future__ import annotations
 
 import functools
-from collections.abc import Container, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Container, Iterable, Mapping
 
 import torch
 
-from modattrs._deferred import windows
+from modattrs._deferred import rng, windows
 from modattrs._deferred.record import Copies, DeferredInitError, Op, Record, reads_no_values
-from modattrs._deferred.rng import draws, generator
 from modattrs._deferred.slicing import Slice, keep_results, slice_of
-from modattrs._torch_private import OpOverload, written_arguments
+from modattrs._torch_private import OpOverload
 
 __all__: list[str] = []
 
@@ -40,67 +38,42 @@ def replay(
     caller reseeded it since); otherwise the replay stops after the last operation needed and the generator is put
     back as it was.
     """
-    with generator.replaying(record, device, to_end=to_end) as walk:
+    with rng.replaying(record, device, to_end=to_end) as walk:
         sliced = slice_of(record, targets)
         _check_devices(record, sliced.kept, device)
         _refuse_collectives(record, sliced.kept, targets, labels)
-        env: dict[int, torch.Tensor] = {}
-        parts = windows.plan(record, sliced.kept, targets, walk.pattern_of, device)
-        _run_kept(record.ops, sliced, env, device, walk, threads, parts, record)
+        plan = windows.Plan(record, sliced.kept, targets, walk, device, copies={})
+        env = _run_kept(record, sliced, walk, plan, device, threads)
         if to_end and not record.settled:  # a settled record's end is where the generator is already
             walk.reach(len(record.ops))
         return {ref: env[ref] for ref in targets}
 
 
 def _run_kept(
-    ops: list[Op],
-    sliced: Slice,
-    env: dict[int, torch.Tensor],
-    device: torch.device | None,
-    walk: generator.Walk,
-    threads: int = 1,
-    parts: Mapping[int, windows.Window] | None = None,
-    record: Record | None = None,
-) -> None:
-    """Run the kept operations of ``sliced`` in order, keeping their results in ``env`` until their last use;
-    ``parts``: the windows of storages made in part (see ``Note [Replaying only the part that is kept]``) of
-    ``record``, whose operations ``ops`` are (without it, factories fill what they make: see ``_dead_fills``)."""
+    record: Record, sliced: Slice, walk: rng.Walk, plan: windows.Plan, device: torch.device | None, threads: int
+) -> dict[int, torch.Tensor]:
+    """Run the kept operations of ``sliced`` in order, those with a role in a window of ``plan`` on it (see
+    ``Note [Replaying only the part that is kept]``), and each draw from the default CPU generator from the state
+    eager code drew it from (``walk``); keep their results until their last use, and return what is left."""
+    ops = record.ops
     kept, frees, wanted = sliced
-    unfilled = _dead_fills(record, kept) if record is not None else {}
-    copies: Copies = {}
-    roles: dict[int, list[windows.Window]] = {}
-    for window in (parts or {}).values():
-        for index in window.roles:
-            roles.setdefault(index, []).append(window)
-    if parts:
-        windows.prepare(ops, parts, unfilled, device, copies)
+    env: dict[int, torch.Tensor] = {}
+    unfilled = _dead_fills(record, kept)
+    plan.prepare(unfilled)
     for index in kept:
-        op = ops[index]
-        on = roles.get(index)
-        if on is not None:
-            assert parts is not None
-            assert record is not None
-            if not windows.run(op, index, on, parts, env, wanted, device, copies, walk, record.layouts):
-                # it only reads windows: run as usual, a draw from the state eager code drew it from
-                draws = walk.is_draw(index)
-                if draws:
-                    walk.before(index)
-                tensors = windows.window_arguments(op, parts, env)
-                _run(op, env, wanted, device, copies, tensors=tensors, func=unfilled.get(index))
-                if draws:
-                    walk.ran(index)
-            for window in on:
-                if window.last == index:
-                    window.release()
-        else:
+        if not plan.run(index, env, wanted):
+            tensors = plan.arguments(index, env)  # None unless it reads windows: then run on one thread
             draws = walk.is_draw(index)
             if draws:
                 walk.before(index)
-            _run(op, env, wanted, device, copies, threads if draws else 1, func=unfilled.get(index))
+            on_threads = threads if draws and tensors is None else 1
+            _run(ops[index], env, wanted, device, plan.copies, on_threads, tensors=tensors, func=unfilled.get(index))
             if draws:
                 walk.ran(index)
+            plan.release_after(index)
         for ref in frees.get(index, ()):
             env.pop(ref, None)
+    return env
 
 
 # Factories that fill what they make, and the factory with the same arguments that leaves it unfilled (the record
@@ -238,21 +211,6 @@ def _in_collective_namespace(func: OpOverload) -> bool:
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
 
 
-def _filled_on_threads(op: Op, args: Sequence[Any], kwargs: dict[str, Any], threads: int) -> torch.Tensor | None:
-    """A draw from the default CPU generator that fills its first argument in place, run on ``threads`` threads
-    (``draws.Pattern.draw_into``: the same values, each thread drawing its own range from a jumped copy of the
-    state), and the generator moved past it; None, and nothing done, for any other operation."""
-    if not isinstance(op.func, OpOverload) or not args or not isinstance(args[0], torch.Tensor):
-        return None
-    if 0 not in (index for index, _ in written_arguments(op.func)):
-        return None
-    found = draws.pattern(op.func, args, kwargs)
-    if found is None:
-        return None
-    torch.default_generator.set_state(found.draw_into(args[0], generator.real_state(), threads))
-    return args[0]
-
-
 def _run(
     op: Op,
     env: dict[int, torch.Tensor],
@@ -267,7 +225,7 @@ def _run(
     if tensors is None:
         tensors = {slot.index: env[slot.ref] for slot in op.slots}
     args, kwargs = op.arguments(tensors, device, copies=copies)
-    result = _filled_on_threads(op, args, kwargs, threads) if threads > 1 else None
+    result = rng.filled_on_threads(op.func, args, kwargs, threads) if threads > 1 else None
     if result is None:
         result = (func or op.func)(*args, **kwargs)
     keep_results(op, result, env, wanted, device, copies)

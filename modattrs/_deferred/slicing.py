@@ -44,7 +44,7 @@ def slice_of(record: Record, targets: Mapping[int, int], count: int | None = Non
     as it grows: ``Record.returning``, ``Record.writing``), taken latest first from a heap. Any other operation
     returns no needed ref and writes no needed storage, so no rule keeps it: the slice is the one a pass over every
     operation gives. A replay of one block of a large model, and the generator's settling after each draw of an
-    initialization applied to a deferred model (``rng.generator.state_at``), then cost what they keep, not the whole record.
+    initialization applied to a deferred model (``rng.state_at``), then cost what they keep, not the whole record.
     Each ref's and each storage's operations are queued once, when it is first needed: the walk goes backwards, so
     a storage needed again later in the walk (after an overwrite ended its need) has its earlier writers queued
     already.

@@ -60,7 +60,7 @@ import contextlib
 import functools
 import itertools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -70,7 +70,7 @@ from modattrs._deferred.record import Copies, DeferredInitError, Op, Point, Posi
 from modattrs._deferred.rng import draws
 from modattrs._deferred.rng.mt19937 import jumped_state
 from modattrs._deferred.slicing import keep_results, slice_of
-from modattrs._torch_private import FakeTensor, disable_current_modes
+from modattrs._torch_private import FakeTensor, OpOverload, disable_current_modes, written_arguments
 
 __all__: list[str] = []
 
@@ -312,7 +312,13 @@ def state_at(point: Point) -> torch.Tensor:
 
 
 class Walk:
-    """Moves the default CPU generator along one record's CPU draws, for one replay (see the module's docstring)."""
+    """Moves the default CPU generator along one record's CPU draws, for one replay (see the module's docstring).
+
+    What the replay and the shard-local planner ask of it: whether an operation draws from the default CPU
+    generator (``is_draw``) and how, when ``draws`` models it (``pattern_of``); set the state a draw is run from
+    (``before``, then ``ran``); draw a part of a fill into a tensor, the generator moved on as if all of it were
+    drawn (``draw_part``, ``draw_runs``); jump to a point of the record (``reach``).
+    """
 
     def __init__(self, record: Record, device: torch.device | None) -> None:
         self.record = record
@@ -334,14 +340,46 @@ class Walk:
 
     def before(self, index: int) -> None:
         """Set the generator to the state the draw at ``index`` draws from in eager code."""
-        self.ahead_of(index)
+        self._ahead_of(index)
         self._jump_pending()
         self.live = None
 
-    def ahead_of(self, index: int) -> tuple[torch.Tensor, int]:
+    def draw_part(self, index: int, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Draw elements ``start:stop`` of the random fill at ``index`` (a draw ``pattern_of`` models) as eager code's
+        whole fill has them, into ``out`` if given (else into memory of their own), and return them; the fill is
+        not run, and the generator goes on from where the part stopped (``_drew_part``)."""
+        pattern = self._modelled(index)
+        state, ahead = self._ahead_of(index)
+        values, end, position = pattern.draw_with_end(state, start, stop, ahead=ahead, out=out)
+        self._drew_part(index, end, position)
+        return values
+
+    def draw_runs(self, index: int, runs: Sequence[range], out: torch.Tensor, offset: int) -> None:
+        """``draw_part`` of each of ``runs`` (sorted, disjoint elements of the fill at ``index``) into its place in
+        ``out``, which holds the fill's elements from ``offset`` on: each run drawn from where the one before stopped,
+        the gaps jumped (Note [A window drawn as runs] in ``windows``)."""
+        pattern = self._modelled(index)
+        state, ahead = self._ahead_of(index)
+        end: torch.Tensor | None = state
+        position = -ahead  # outputs after the fill's first: the generator is `ahead` outputs before it
+        for run in runs:
+            part = out[run.start - offset : run.stop - offset]
+            assert end is not None
+            if position < 0:
+                _, end, position = pattern.draw_with_end(end, run.start, run.stop, ahead=-position, out=part)
+            else:
+                _, end, position = pattern.draw_with_end(end, run.start, run.stop, behind=position, out=part)
+        self._drew_part(index, end, position)
+
+    def _modelled(self, index: int) -> draws.Pattern:
+        found = self.pattern_of(index)
+        assert found is not None, f"a part drawn of operation {index}, which draws does not model"
+        return found
+
+    def _ahead_of(self, index: int) -> tuple[torch.Tensor, int]:
         """The generator's state and how many outputs before the draw at ``index`` it is: the draw reads the state
         ``jumped_state(state, outputs)``, jumped here by whoever draws a part of it, in one jump with the jump to
-        that part (``skipped`` then notes the draw)."""
+        that part (``_drew_part`` then notes the draw)."""
         op = self.record.ops[index]
         if op.reset is not None:
             _set_state(self._reset_of(index))
@@ -355,20 +393,20 @@ class Walk:
         self.live = index + 1
         self.record.drawn.add(index)
 
-    def skipped(self, index: int) -> None:
+    def _skipped(self, index: int) -> None:
         """Note that the draw at ``index`` was not run (a part of its result was drawn apart, see
-        ``Note [Replaying only the part that is kept]``): the generator is where ``ahead_of`` left it."""
+        ``Note [Replaying only the part that is kept]``): the generator is where ``_ahead_of`` left it."""
         self.live = index
         self.record.drawn.add(index)
 
-    def drew_part(self, index: int, state: torch.Tensor | None, position: int) -> None:
-        """Note that a part of the draw at ``index`` was drawn apart (``ahead_of``), by a private generator that
+    def _drew_part(self, index: int, state: torch.Tensor | None, position: int) -> None:
+        """Note that a part of the draw at ``index`` was drawn apart (``_ahead_of``), by a private generator that
         stopped in ``state``, ``position`` outputs after the draw's first: the generator goes there, so that the
         next jump starts from a place that repeats from one identical layer to the next. Without a ``state``, or
         for a draw whose count of outputs depends on the state, the generator stays (``skipped``)."""
         outputs = self._outputs_of(index)
         if state is None or outputs is None:
-            self.skipped(index)
+            self._skipped(index)
             return
         _set_state(state)
         self.live, self.pending = index + 1, outputs - position
@@ -560,6 +598,22 @@ def replaying(record: Record, device: torch.device | None, *, to_end: bool) -> I
                     _forget_point_of(record)
                 else:
                     _set_state(saved)
+
+
+def filled_on_threads(func: object, args: Sequence[Any], kwargs: dict[str, Any], threads: int) -> torch.Tensor | None:
+    """Run a draw from the default CPU generator that fills its first argument in place (``func`` called with
+    ``args`` and ``kwargs``) on ``threads`` threads (``draws.Pattern.draw_into``: the same values, each thread
+    drawing its own range from a jumped copy of the state), and move the generator past it; return the filled
+    tensor. None, and nothing done, for a call ``draws`` does not model so."""
+    if not isinstance(func, OpOverload) or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    if 0 not in (index for index, _ in written_arguments(func)):
+        return None
+    found = draws.pattern(func, args, kwargs)
+    if found is None:
+        return None
+    torch.default_generator.set_state(found.draw_into(args[0], real_state(), threads))
+    return args[0]
 
 
 def _forget_point_of(record: Record) -> None:
