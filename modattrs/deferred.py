@@ -22,13 +22,14 @@ from torch import Tensor, nn
 from modattrs import _torch_changes
 from modattrs._deferred import opaque, rng
 from modattrs._deferred.construction import detach_graphs, handed_tensors
-from modattrs._deferred.materialize import materialize, module_tensors, own_tensors_of, recording_mode, ref_of, roots
+from modattrs._deferred.materialize import materialize, module_tensors, own_tensors_of, ref_of, roots
 from modattrs._deferred.record import DeferredInitError
 from modattrs._deferred.recorder import (
     RecordingFakeTensorMode,
     ValueReads,
     recording,
     recording_in_this_thread,
+    recording_mode,
 )
 from modattrs._devices import as_device
 from modattrs._names import callable_name

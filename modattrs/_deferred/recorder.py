@@ -734,6 +734,13 @@ def recording() -> Iterator[list[str]]:
 # (`logger.info("%.3f", weight.norm())`) and goes on by design; what it formats steers nothing.
 
 
+def recording_mode(tensor: object) -> RecordingFakeTensorMode | None:
+    """The recording mode that made ``tensor``, if it is a fake tensor of a ``deferred_init``."""
+    if isinstance(tensor, FakeTensor) and isinstance(tensor.fake_mode, RecordingFakeTensorMode):
+        return tensor.fake_mode
+    return None
+
+
 def _formatting_a_log_record() -> bool:
     """Whether the logging module is on this thread's stack (formatting a record, which catches what it raises)."""
     frame: types.FrameType | None = sys._getframe(1)
