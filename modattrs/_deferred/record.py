@@ -3,7 +3,7 @@
 A record is a list of operations (:class:`Op`) on tensors known by number (refs), each with where its fake
 arguments sit in its flattened arguments (:class:`Slot`), what it read and wrote, and which generator it drew from
 (:class:`Draws`). The recorder (``recorder``) appends to it, the replayer (``replay``) runs parts of it, and the
-generator timeline (``generator``) keeps its notes on the random generator in the record's last fields. Nothing
+generator timeline (``rng.generator``) keeps its notes on the random generator in the record's last fields. Nothing
 here changes a record or torch, and the one state of torch read is the default dtype, by ``Op.arguments`` (see
 Note [The default dtype is passed, never set]).
 """

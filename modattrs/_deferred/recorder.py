@@ -8,8 +8,8 @@ geometry, though. Every storage the record has seen is kept alive (a fake storag
 storages ever share an address.
 
 Random numbers. Fake tensors draw nothing, so the real generators stay where they were while recording; what each
-random operation would have drawn is worked out at replay (``replay``, ``generator``). A draw from the default
-CPU generator notes what ``generator`` says about where eager code would have the generator. A
+random operation would have drawn is worked out at replay (``replay``, ``rng``). A draw from the default
+CPU generator notes what ``rng`` says about where eager code would have the generator. A
 ``torch.Generator`` passed explicitly is advanced for real, on a scratch tensor, and its state before each operation
 is kept, so replays use it in constant time and the object ends where eager code leaves it.
 """

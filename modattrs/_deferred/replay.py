@@ -2,8 +2,9 @@
 
 The operations kept (``slicing``) run in order; tensors are freed after their last use.
 
-Random numbers are the generator timeline's business (``generator``): before each kept draw from the default CPU
-generator, the replay asks it to set the state eager code drew from. Operations that draw from an explicit
+Random numbers are exact randomness's business (``rng``): a replay walks the record's draws with one ``rng.Walk``,
+which sets, before each kept draw from the default CPU generator, the state eager code drew from, and draws the parts
+of fills that the shard-local planner (``windows.Plan``) makes alone. Operations that draw from an explicit
 ``torch.Generator`` use its recorded state; the generators of other devices are used as they are.
 """
 

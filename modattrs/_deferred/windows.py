@@ -12,7 +12,7 @@ window is known, the replay allocates the window alone and runs those operations
   makes the window's elements instead;
 - *views* of the storage: not run; the refs they made that lie within the window become views of it;
 - *metadata reads* (``prim.device``, the ``new_*`` factories, which read only dtype and device): given the window;
-- *whole writes* covering the storage, contiguous: a random fill whose consumption of the generator ``draws``
+- *whole writes* covering the storage, contiguous: a random fill whose consumption of the generator ``rng.draws``
   models draws only the window's elements (``Pattern.draw``, which jumps to the first output they read), and the
   generator is left where the fill begins, for the walk to jump past it; an elementwise in-place operation with no
   other tensor argument (``fill_``, ``zero_``, ``mul_`` by a number) runs on the window;
@@ -45,7 +45,7 @@ rows of a ``RowwiseParallel`` column cut that a rank keeps, or of an FSDP2 cut o
 taken as runs (``_runs``), those less than a jump apart joined (``_gap_drawn``: drawing ``rng.JUMP_COST`` outputs
 costs what a jump costs), and a random fill of all of the window draws only these *segments* into the window's
 memory: the first from where the walk left the generator, each next one from where the one before stopped, jumping
-the gap (a distance that repeats from one identical layer to the next, whose power ``mt19937`` keeps). Each
+the gap (a distance that repeats from one identical layer to the next, whose power ``rng.mt19937`` keeps). Each
 segment is ``Pattern.draw`` of its elements, exact for the block path of ``normal_`` too (a segment's blocks and the
 redrawn tail are drawn whole), and the fill's last segment leaves the generator where the walk goes on from, as for
 one part. The window's other elements are never written and never read (every reader reads within its runs), so a
