@@ -29,8 +29,8 @@ import torch
 from _timing import collected
 from torch import nn
 
-from modattrs._deferred import generator
 from modattrs._deferred.materialize import roots
+from modattrs._deferred.rng import generator
 from modattrs.deferred import deferred_init, materialize_module
 
 LLAMA = {  # keyword arguments of transformers' LlamaConfig

@@ -1,4 +1,4 @@
-"""What jumping torch's CPU generator ahead costs (``modattrs._deferred.mt19937``), against drawing.
+"""What jumping torch's CPU generator ahead costs (``modattrs._deferred.rng.mt19937``), against drawing.
 
 Run with ``python benchmarks/generator_jump.py`` (about 5 minutes on a 2-core machine; needs ``transformers``, which
 ``benchmarks/shard_local.py`` imports), or ``--quick`` (about 2 minutes: the replay on a model of about 50M
@@ -36,7 +36,7 @@ from functools import partial
 
 import torch
 
-from modattrs._deferred import mt19937
+from modattrs._deferred.rng import mt19937
 
 RUNS = 9
 DISTANCES = {"1e5": 10**5, "1e6": 10**6, "2^23": 2**23, "2^32": 2**32, "2^64": 2**64}

@@ -23,8 +23,8 @@ from functools import partial
 
 import torch
 
-from modattrs._deferred import draws
-from modattrs._deferred.mt19937 import jumped_state
+from modattrs._deferred.rng import draws
+from modattrs._deferred.rng.mt19937 import jumped_state
 
 RUNS = 7
 aten = torch.ops.aten

@@ -78,10 +78,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from modattrs._deferred import mt19937
 from modattrs._deferred.materialize import roots
-from modattrs._deferred.mt19937 import jumped_state
 from modattrs._deferred.record import Draws
+from modattrs._deferred.rng import mt19937
+from modattrs._deferred.rng.mt19937 import jumped_state
 from modattrs.deferred import deferred_init, is_deferred, materialize_module
 
 SEED = 0

@@ -3,7 +3,7 @@ None where pip built no extension (no C compiler).
 
 - ``speedups`` (``modattrs/_speedups.c``): ``VirtualTensor.value``'s read and fake mode's entries.
 - ``generator_jump`` (``modattrs/_generator_jump.c``): the two loops of the CPU generator's jump
-  (``modattrs/_deferred/mt19937.py``).
+  (``modattrs/_deferred/rng/mt19937.py``).
 """
 
 from __future__ import annotations

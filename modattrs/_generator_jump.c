@@ -1,4 +1,4 @@
-/* Jumping torch's CPU generator (MT19937) ahead, compiled: the two loops of modattrs/_deferred/mt19937.py's jumps.
+/* Jumping torch's CPU generator (MT19937) ahead, compiled: the two loops of modattrs/_deferred/rng/mt19937.py's jumps.
  *
  * mt19937_power_of_x(exponent, modulus) computes x^exponent mod p over GF(2) by squaring (and multiplying by x) one
  * bit of the exponent at a time; mt19937_twisted(array, coefficients) turns the engine's array into the array after

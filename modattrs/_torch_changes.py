@@ -31,10 +31,9 @@ from typing import Any, cast
 
 import torch
 
-from modattrs._deferred import generator
+from modattrs._deferred import rng
 from modattrs._deferred.fingerprint import refuse_unless_ranks_agree
 from modattrs._deferred.recorder import recorded_together, scatter_own_chunk
-from modattrs._deferred.replay import state_after
 from modattrs._fake import backward, cuda_guard, spoofed_cuda
 from modattrs._fake.mode import ModattrsFakeTensorMode, data_for, data_replaced, deep_copy, note_reduced
 from modattrs._fake.trunc_normal import as_one_normal as trunc_normal_as_one_normal
@@ -170,9 +169,9 @@ def install_deferred() -> None:
         #    CPU generator (see generator); a reseed or a state put back must be seen, also one that sets the state
         #    the generator already has. Both names of each function are wrapped.
         for name, wrap in (
-            ("manual_seed", generator.seeding),
-            ("set_rng_state", generator.restoring),
-            ("get_rng_state", functools.partial(generator.saving, resolve=state_after)),
+            ("manual_seed", rng.seeding),
+            ("set_rng_state", rng.restoring),
+            ("get_rng_state", rng.saving),
         ):
             _replace_under_both_names(name, wrap)
         _deferred_installed = True

@@ -295,8 +295,8 @@ def forget_fakes(mode: FakeTensorMode, fakes: Iterable[FakeTensor]) -> None:
 
 # The bytes of a CPU torch.Generator's state as get_state() returns them and set_state() takes them: torch's legacy
 # layout (CPUGeneratorImplStateLegacy and its THGeneratorState in aten/src/ATen/CPUGeneratorImpl.cpp), in native byte
-# order. torch documents only that the state is a uint8 tensor; the jump (``_deferred.mt19937``) and the models of
-# the random kernels (``_deferred.draws``) read and write these fields. tests/test_generator_jump.py checks them
+# order. torch documents only that the state is a uint8 tensor; the jump (``_deferred.rng.mt19937``) and the models of
+# the random kernels (``_deferred.rng.draws``) read and write these fields. tests/test_generator_jump.py checks them
 # against torch's own draws. Checked on 2.8 to 2.15.
 CPU_STATE_BYTES = 5056
 CPU_STATE_HEADER = struct.Struct("=QiiQ")  # the initial seed, left, seeded, next

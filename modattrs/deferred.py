@@ -20,18 +20,17 @@ import torch
 from torch import Tensor, nn
 
 from modattrs import _torch_changes
-from modattrs._deferred import generator, opaque
+from modattrs._deferred import opaque, rng
 from modattrs._deferred.construction import detach_graphs, handed_tensors
-from modattrs._deferred.generator import new_record
-from modattrs._deferred.materialize import materialize, module_tensors, own_tensors_of, recording_mode, ref_of, roots
+from modattrs._deferred.materialize import materialize, module_tensors, own_tensors_of, ref_of, roots
 from modattrs._deferred.record import DeferredInitError
 from modattrs._deferred.recorder import (
     RecordingFakeTensorMode,
     ValueReads,
     recording,
     recording_in_this_thread,
+    recording_mode,
 )
-from modattrs._deferred.replay import state_after
 from modattrs._devices import as_device
 from modattrs._names import callable_name
 from modattrs._torch_private import (
@@ -76,8 +75,8 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
             "Build the inner module directly: everything inside the outer call is deferred already"
         )
     _torch_changes.install_deferred()
-    with generator.undone_on_failure():  # raising, it leaves the generator as it found it
-        record = new_record()
+    with rng.undone_on_failure():  # raising, it leaves the generator as it found it
+        record = rng.new_record()
         mode = RecordingFakeTensorMode(record, _torch_changes.install_fake_cuda)
         with recording() as refused, mode.handed(handed_tensors(module_fn, args, kwargs)):
             with mode, ValueReads():
@@ -103,7 +102,7 @@ def deferred_init(module_fn: Callable[P, ModuleT], *args: P.args, **kwargs: P.kw
                 ref_of(label, tensor)  # every fake one is accounted for now, not found missing at materialization
         record.root = weakref.ref(module)
         roots[module] = mode
-        generator.settle(record, state_after)  # the generator where eager construction leaves it, from now on
+        rng.settle(record)  # the generator where eager construction leaves it, from now on
     return module
 
 

@@ -27,7 +27,7 @@ import modattrs
 import modattrs.virtual
 from modattrs import VirtualTensor
 from modattrs._compiled import generator_jump
-from modattrs._deferred import mt19937
+from modattrs._deferred.rng import mt19937
 from modattrs.deferred import deferred_init, is_deferred, materialize_module
 from modattrs.fake import fake_copy, fake_mode, is_fake
 

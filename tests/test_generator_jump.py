@@ -1,4 +1,4 @@
-"""Jumping torch's CPU generator ahead (``modattrs._deferred.mt19937``) lands where drawing lands.
+"""Jumping torch's CPU generator ahead (``modattrs._deferred.rng.mt19937``) lands where drawing lands.
 
 The reference is torch itself: a generator set to the state, then ``k`` 32-bit outputs drawn by ``uniform_`` on
 float32 tensors, which take one output per element (measured on torch 2.13 by counting the engine's steps, and
@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modattrs._deferred import mt19937
+from modattrs._deferred.rng import mt19937
 
 Jump = Callable[[torch.Tensor, int], torch.Tensor]
 

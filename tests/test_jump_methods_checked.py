@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from modattrs._deferred import mt19937
+from modattrs._deferred.rng import mt19937
 from modattrs.deferred import deferred_init, materialize_module
 
 

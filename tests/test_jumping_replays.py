@@ -1,7 +1,7 @@
 """Replays reach a draw by jumping the CPU generator over the draws before it, not by running them: materializing
 the last block, or a new head after the body came from a checkpoint, runs only its own draws, and still gives the
 values and the generator state of eager construction (Note [Reaching a draw by jumping] in
-``modattrs/_deferred/generator.py``)."""
+``modattrs/_deferred/rng/generator.py``)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from modattrs._deferred.mt19937 import FAR_JUMP_COST
+from modattrs._deferred.rng.mt19937 import FAR_JUMP_COST
 from modattrs.deferred import deferred_init, is_deferred, materialize_module
 from tests.support.ranks import fake_world
 
@@ -331,8 +331,8 @@ def test_a_layout_whose_initializer_is_not_modelled_is_drawn_whole_and_still_the
 def test_runs_drawn_one_from_where_the_last_stopped_are_the_fills_values_and_end_where_it_does(
     op: str, first: tuple[int, int], second: tuple[int, int]
 ) -> None:
-    from modattrs._deferred import draws
-    from modattrs._deferred.mt19937 import jumped_state
+    from modattrs._deferred.rng import draws
+    from modattrs._deferred.rng.mt19937 import jumped_state
 
     before = torch.Generator().manual_seed(3).get_state()
     eager_generator = torch.Generator()
@@ -350,7 +350,7 @@ def test_runs_drawn_one_from_where_the_last_stopped_are_the_fills_values_and_end
 
 
 def test_a_run_that_reads_numbers_before_the_state_it_is_drawn_from_is_refused() -> None:
-    from modattrs._deferred import draws
+    from modattrs._deferred.rng import draws
 
     pattern = draws.pattern(torch.ops.aten.normal_.default, (torch.empty(101, device="meta"),), {})
     assert pattern is not None

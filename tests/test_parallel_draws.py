@@ -20,7 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modattrs._deferred import draws
+from modattrs._deferred.rng import draws
 
 aten = torch.ops.aten
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]

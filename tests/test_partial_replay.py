@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from modattrs import VirtualTensor
-from modattrs._deferred import generator
 from modattrs._deferred.materialize import roots
 from modattrs._deferred.record import Op
+from modattrs._deferred.rng import generator
 from modattrs.deferred import (
     deferred_init,
     is_deferred,

@@ -1,4 +1,4 @@
-"""Any range of a random operation's result, drawn alone (``modattrs._deferred.draws``), is what torch puts there.
+"""Any range of a random operation's result, drawn alone (``modattrs._deferred.rng.draws``), is what torch puts there.
 
 The reference is torch itself: each operation runs whole from a state, and every range the model draws from that
 state must equal, bit for bit, the same elements of the whole result in memory order (increasing storage offset).
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from modattrs._deferred import draws
+from modattrs._deferred.rng import draws
 
 aten = torch.ops.aten
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]

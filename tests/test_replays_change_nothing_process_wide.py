@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from modattrs._deferred import generator, mt19937
+from modattrs._deferred.rng import generator, mt19937
 from modattrs.deferred import DeferredInitError, deferred_init, is_deferred, materialize_module, register_opaque_init
 from tests.test_generator_jump import speedups_as
 

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from modattrs._deferred.fingerprint import digest_of
-from modattrs._deferred.materialize import recording_mode
+from modattrs._deferred.recorder import recording_mode
 from modattrs.deferred import DeferredInitError, deferred_init, is_deferred, materialize_module
 from modattrs.fake import fake_mode
 from tests.support import ranks

@@ -240,8 +240,8 @@ def test_a_part_of_a_draw_copied_into_another_tensor_is_eagers_whatever_touches_
 def test_a_part_drawn_from_an_earlier_state_is_the_parts_values_and_ends_where_the_whole_draw_does(
     op: str, start: int, stop: int, ahead: int, into: bool
 ) -> None:
-    from modattrs._deferred import draws
-    from modattrs._deferred.mt19937 import jumped_state
+    from modattrs._deferred.rng import draws
+    from modattrs._deferred.rng.mt19937 import jumped_state
 
     earlier = torch.Generator().manual_seed(7).get_state()
     before = jumped_state(earlier, ahead)
@@ -275,7 +275,7 @@ def test_a_part_drawn_from_an_earlier_state_is_the_parts_values_and_ends_where_t
     ids=["dtype", "size", "stride", "meta"],
 )
 def test_drawing_into_a_tensor_that_cannot_hold_the_part_raises_before_drawing(out: torch.Tensor, message: str) -> None:
-    from modattrs._deferred import draws
+    from modattrs._deferred.rng import draws
 
     pattern = draws.pattern(torch.ops.aten.normal_.default, (torch.empty(37, device="meta"),), {})
     assert pattern is not None

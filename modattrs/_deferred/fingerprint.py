@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from modattrs._deferred import generator
+from modattrs._deferred import rng
 from modattrs._deferred.record import Constant, DeferredInitError, Draws, Op, Position, Record, span_bytes
 from modattrs._deferred.recorder import RecordingFakeTensorMode
-from modattrs._deferred.replay import needed_ops
+from modattrs._deferred.slicing import needed_ops
 from modattrs._names import callable_name
 from modattrs._torch_private import FakeTensor, disable_current_modes
 
@@ -220,7 +220,7 @@ def refuse_unless_ranks_agree(
     mode = sent[0].fake_mode  # type: ignore[attr-defined]
     assert isinstance(mode, RecordingFakeTensorMode)
     record = mode.record
-    with generator.lock:
+    with rng.lock:
         targets = {}
         for tensor in sent:
             ref, storage = mode.ref_and_storage_of(tensor)  # type: ignore[arg-type]

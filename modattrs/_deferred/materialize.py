@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from modattrs._deferred.record import DeferredInitError
-from modattrs._deferred.recorder import RecordingFakeTensorMode, value_read_errors
+from modattrs._deferred.recorder import RecordingFakeTensorMode, recording_mode, value_read_errors
 from modattrs._deferred.replay import replay
 from modattrs._fake import spoofed_cuda
 from modattrs._module_tensors import announce_written, join, own_tensors, user_attributes
@@ -327,12 +327,6 @@ def _same_device(one: torch.device, other: torch.device) -> bool:
     if one.type == "cpu":  # torch puts a tensor asked for on cpu:1 on the CPU, which has no index
         return other.type == "cpu"
     return one.type == other.type and (one.index or 0) == (other.index or 0)  # cuda is cuda:0
-
-
-def recording_mode(tensor: object) -> RecordingFakeTensorMode | None:
-    if isinstance(tensor, FakeTensor) and isinstance(tensor.fake_mode, RecordingFakeTensorMode):
-        return tensor.fake_mode
-    return None
 
 
 def ref_of(label: str, tensor: FakeTensor) -> int:

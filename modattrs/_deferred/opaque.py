@@ -8,7 +8,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from modattrs._deferred.materialize import recording_mode
+from modattrs._deferred.recorder import recording_mode
 from modattrs._names import callable_name
 from modattrs._torch_private import FakeTensor
 

@@ -3,7 +3,7 @@
 A record is a list of operations (:class:`Op`) on tensors known by number (refs), each with where its fake
 arguments sit in its flattened arguments (:class:`Slot`), what it read and wrote, and which generator it drew from
 (:class:`Draws`). The recorder (``recorder``) appends to it, the replayer (``replay``) runs parts of it, and the
-generator timeline (``generator``) keeps its notes on the random generator in the record's last fields. Nothing
+generator timeline (``rng.generator``) keeps its notes on the random generator in the record's last fields. Nothing
 here changes a record or torch, and the one state of torch read is the default dtype, by ``Op.arguments`` (see
 Note [The default dtype is passed, never set]).
 """
@@ -413,7 +413,7 @@ class Record:
     cpu_draws: list[int] = field(default_factory=list)  # those of them that ran on the CPU (draws_on_cpu)
     cpu_resets: list[int] = field(default_factory=list)  # those of the CPU draws with a reset
     touching: dict[int, list[int]] = field(default_factory=dict)  # storage -> the operations that touch it (Op.touched)
-    # For slicing without a pass over every operation (Note [Slicing from the needed tensors] in replay):
+    # For slicing without a pass over every operation (Note [Slicing from the needed tensors] in slicing):
     writing: dict[int, list[int]] = field(default_factory=dict)  # storage -> the operations that write it (Op.writes)
     returning: dict[int, list[int]] = field(default_factory=dict)  # ref -> the operations returning it (Op.out_refs)
     pinned: list[int] = field(default_factory=list)  # the operations that are pinned (Op.pinned)

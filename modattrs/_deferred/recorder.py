@@ -8,8 +8,8 @@ geometry, though. Every storage the record has seen is kept alive (a fake storag
 storages ever share an address.
 
 Random numbers. Fake tensors draw nothing, so the real generators stay where they were while recording; what each
-random operation would have drawn is worked out at replay (``replay``, ``generator``). A draw from the default
-CPU generator notes what ``generator`` says about where eager code would have the generator. A
+random operation would have drawn is worked out at replay (``replay``, ``rng``). A draw from the default
+CPU generator notes what ``rng`` says about where eager code would have the generator. A
 ``torch.Generator`` passed explicitly is advanced for real, on a scratch tensor, and its state before each operation
 is kept, so replays use it in constant time and the object ends where eager code leaves it.
 """
@@ -32,8 +32,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from modattrs._deferred import generator
-from modattrs._deferred.draws import count_depends_on_values
+from modattrs._deferred import rng
 from modattrs._deferred.record import (
     NO_RESULTS,
     Constant,
@@ -55,7 +54,7 @@ from modattrs._deferred.record import (
     snapshot,
     span_bytes,
 )
-from modattrs._deferred.replay import UNFILLED, is_collective, state_after
+from modattrs._deferred.replay import UNFILLED, is_collective
 from modattrs._fake import cuda_guard
 from modattrs._fake.mode import CONSTANT_LIMIT, ModattrsFakeTensorMode
 from modattrs._names import callable_name, where
@@ -147,7 +146,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             return super().__torch_dispatch__(func, types, args, kwargs)
         kwargs = kwargs or {}
         facts = _facts_of(func)
-        with generator.lock:
+        with rng.lock:
             # A view of one fake tensor given nothing else but plain values (a detach, a narrow, a split: most of
             # FSDP2's cutting) is known by its argument's key alone until it runs: its result may be that argument
             # (Note [Views that are their argument]), which the record does not write down, so the rest of what an
@@ -228,7 +227,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
     ) -> FakeTensor:
         """Record ``func(*args, **kwargs)`` as one call that writes ``target`` in place, without running it (a
         constant it writes forgets its values, as in fake mode)."""
-        with generator.lock:
+        with rng.lock:
             pending = self._begin(func, _facts_of(func), args, kwargs, (target,), random=True)
             self._finish(pending, target)
         return super().opaque_call(func, args, kwargs, target)
@@ -236,16 +235,16 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
     def note_generator(self) -> None:
         """Record where the default CPU generator is if it moved since the last draw (a reseed at the end of
         construction), so that a full replay leaves it there."""
-        with generator.lock:
-            reset = generator.reset_before_draw(self.record)
+        with rng.lock:
+            reset = rng.reset_before_draw(self.record)
             if reset is None:
                 return
             self._append(_made_here(_no_draw, (), device=torch.device("cpu"), draws=Draws.DEFAULT, reset=reset))
-            generator.drew(self.record)
+            rng.drew(self.record)
 
     def ref_and_storage_of(self, tensor: FakeTensor) -> tuple[int | None, int]:
         """The record's name for ``tensor`` (None if the record cannot account for it), and its storage."""
-        with generator.lock:
+        with rng.lock:
             key = self._key_of(tensor)
             return self.record.keys.get(key), key[0]
 
@@ -258,7 +257,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             return []
         root = address_of(base)
         chain: list[int] = []
-        with generator.lock:
+        with rng.lock:
             source = self._view_sources.get(address_of(view))
             while source is not None and source != root and source not in chain:
                 chain.append(source)
@@ -266,7 +265,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         return chain if source == root else []
 
     def storage_of(self, tensor: FakeTensor) -> int:
-        with generator.lock:
+        with rng.lock:
             return self._storage_of(tensor)
 
     def forget(self, tensors: Iterable[FakeTensor]) -> None:
@@ -478,21 +477,21 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             op.generator_states = tuple((index, generator.get_state()) for index, generator in pending.generators)
             _advance(op, dict(pending.generators))  # so the generator object ends where eager code leaves it
         elif pending.draws is Draws.DEFAULT and device is not None and device.type == "cpu":
-            op.reset = generator.reset_before_draw(self.record)
+            op.reset = rng.reset_before_draw(self.record)
             self._append(op, pending.facts)
-            generator.drew(self.record)
+            rng.drew(self.record)
             if not recording_in_this_thread():  # initialization of a deferred module: as eager code draws, now
-                generator.settle(self.record, state_after)
+                rng.settle(self.record)
             return
         elif pending.draws is Draws.DEFAULT:
-            op.reset = generator.reset_for_other_device(self.record)
+            op.reset = rng.reset_for_other_device(self.record)
         self._append(op, pending.facts)
 
     def _append(self, op: Op, facts: _Facts | None = None) -> None:
         """Append ``op`` to the record, noting what replays would otherwise find in a pass over the record: the
         devices it names and whether it is a collective (``replay._check_devices``, ``replay._refuse_collectives``),
-        whether it draws from a default generator and from a reset (``generator.Walk``), the storages it touches
-        (``windows``), what it writes and returns and whether it is pinned (``replay._slice``), and whether it is a
+        whether it draws from a default generator and from a reset (``rng.Walk``), the storages it touches
+        (``windows``), what it writes and returns and whether it is pinned (``slicing.slice_of``), and whether it is a
         factory that fills what it makes (``replay._dead_fills``). Each replay, and each draw recorded after
         ``deferred_init`` returned, then costs what it uses of the record, not a pass over all of it."""
         record, index = self.record, len(self.record.ops)
@@ -733,6 +732,13 @@ def recording() -> Iterator[list[str]]:
 # refused while a module function runs are noted; deferred_init raises when the function returns nonetheless. One
 # catcher is left out: the logging module, which reports an error raised while formatting a record
 # (`logger.info("%.3f", weight.norm())`) and goes on by design; what it formats steers nothing.
+
+
+def recording_mode(tensor: object) -> RecordingFakeTensorMode | None:
+    """The recording mode that made ``tensor``, if it is a fake tensor of a ``deferred_init``."""
+    if isinstance(tensor, FakeTensor) and isinstance(tensor.fake_mode, RecordingFakeTensorMode):
+        return tensor.fake_mode
+    return None
 
 
 def _formatting_a_log_record() -> bool:
@@ -1073,10 +1079,10 @@ def _advance(op: Op, generators: Mapping[int, torch.Generator]) -> None:
 
 def _reads_values(pending: _Pending) -> bool:
     """Whether the operation may draw as many numbers as the values of fake tensors say: its count depends on
-    values (``draws.count_depends_on_values``: opaque functions might), and it reads a fake tensor's values (an
+    values (``rng.count_depends_on_values``: opaque functions might), and it reads a fake tensor's values (an
     argument it does not write, or one it writes in place without being a value writer: ``rrelu_with_noise_``
     reads what it overwrites)."""
-    return count_depends_on_values(pending.func) and any(
+    return rng.count_depends_on_values(pending.func) and any(
         not slot.written or not pending.value_writer for slot in pending.slots
     )
 

@@ -12,7 +12,7 @@ window is known, the replay allocates the window alone and runs those operations
   makes the window's elements instead;
 - *views* of the storage: not run; the refs they made that lie within the window become views of it;
 - *metadata reads* (``prim.device``, the ``new_*`` factories, which read only dtype and device): given the window;
-- *whole writes* covering the storage, contiguous: a random fill whose consumption of the generator ``draws``
+- *whole writes* covering the storage, contiguous: a random fill whose consumption of the generator ``rng.draws``
   models draws only the window's elements (``Pattern.draw``, which jumps to the first output they read), and the
   generator is left where the fill begins, for the walk to jump past it; an elementwise in-place operation with no
   other tensor argument (``fill_``, ``zero_``, ``mul_`` by a number) runs on the window;
@@ -42,10 +42,10 @@ Note [A window drawn as runs]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A window is the span of what is read, but what is read may be runs with gaps between them (a strided view: the
 rows of a ``RowwiseParallel`` column cut that a rank keeps, or of an FSDP2 cut of it). Each reader's elements are
-taken as runs (``_runs``), those less than a jump apart joined (``_gap_drawn``: drawing ``draws.JUMP_COST`` outputs
+taken as runs (``_runs``), those less than a jump apart joined (``_gap_drawn``: drawing ``rng.JUMP_COST`` outputs
 costs what a jump costs), and a random fill of all of the window draws only these *segments* into the window's
 memory: the first from where the walk left the generator, each next one from where the one before stopped, jumping
-the gap (a distance that repeats from one identical layer to the next, whose power ``mt19937`` keeps). Each
+the gap (a distance that repeats from one identical layer to the next, whose power ``rng.mt19937`` keeps). Each
 segment is ``Pattern.draw`` of its elements, exact for the block path of ``normal_`` too (a segment's blocks and the
 redrawn tail are drawn whole), and the fill's last segment leaves the generator where the walk goes on from, as for
 one part. The window's other elements are never written and never read (every reader reads within its runs), so a
@@ -86,12 +86,12 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Container, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from modattrs._deferred import draws, generator
+from modattrs._deferred import rng
 from modattrs._deferred.record import Copies, Layout, Op, Record, Slot, reads_no_values
 from modattrs._torch_private import OpOverload, contiguous_strides, operator_arguments, written_arguments
 
@@ -179,7 +179,6 @@ class Window:
     stop: int
     roles: dict[int, str]  # operation index -> its role: its own operations in order, then its host's factory
     last: int  # the last kept operation that touches it
-    patterns: dict[int, draws.Pattern] = field(default_factory=dict)  # by index, for DRAW
     tensor: torch.Tensor | None = None  # the window's memory, once made
     make: Callable[[], torch.Tensor] | None = None  # its creator, run on the window's size: see memory
     empty: torch.Tensor | None = None  # its stand_in
@@ -234,19 +233,64 @@ class Window:
         return self.empty
 
 
-def plan(
-    record: Record,
-    kept: list[int],
-    targets: Mapping[int, int],
-    pattern_of: Callable[[int], draws.Pattern | None],
-    device: torch.device | None,
-) -> dict[int, Window]:
-    """The windows of a replay of ``kept`` (operation indices, ascending) for ``targets`` (ref -> storage), by storage.
+class Plan:
+    """The windows of one replay (by storage), and how the kept operations that have a role in them run: the
+    shard-local planner's whole interface to the replay. Its random fills are drawn by the replay's walk along
+    the generator (``rng.Walk``), which says which draws it models (``pattern_of``) and draws their parts."""
 
-    ``pattern_of`` gives the modelled pattern of a kept draw from the default CPU generator (None: not modelled, or
-    not such a draw).
-    Replays onto another device than the CPU make no windows.
-    """
+    def __init__(
+        self,
+        record: Record,
+        kept: list[int],
+        targets: Mapping[int, int],
+        walk: rng.Walk,
+        device: torch.device | None,
+        copies: Copies,
+    ) -> None:
+        """Plan the windows of a replay of ``kept`` (operation indices, ascending) of ``record`` for ``targets`` (ref
+        -> storage), onto ``device``, sharing the replay's ``copies`` of constants. Replays onto another device than
+        the CPU make no windows."""
+        self.record, self.walk, self.device, self.copies = record, walk, device, copies
+        self.windows = _plan(record, kept, targets, walk, device)
+        self.on: dict[int, list[Window]] = {}  # operation index -> the windows it has a role in
+        for window in self.windows.values():
+            for index in window.roles:
+                self.on.setdefault(index, []).append(window)
+
+    def prepare(self, factories: Mapping[int, OpOverload]) -> None:
+        """Give each host its factory, to run whenever it is first needed: ``factories`` holds the factories to run
+        instead of those recorded (``new_empty`` for a ``new_zeros`` whose zeros nothing reads)."""
+        if self.windows:
+            _prepare(self.record.ops, self.windows, factories, self.device, self.copies)
+
+    def run(self, index: int, env: dict[int, torch.Tensor], wanted: set[int]) -> bool:
+        """Run the kept operation at ``index`` on the windows it has a role in, keeping in ``env`` the refs it makes
+        that ``wanted`` holds; False if it has none, or only reads them, for the caller to run it as recorded, with
+        ``arguments``. A window is released after the last operation that touches it."""
+        on = self.on.get(index)
+        if on is None:
+            return False
+        done = _run(self, self.record.ops[index], index, on, env, wanted)
+        if done:
+            self.release_after(index)
+        return done
+
+    def arguments(self, index: int, env: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor] | None:
+        """The tensors to run the operation at ``index`` with, by position, if it reads windows (see
+        ``window_arguments``); None for ``env``'s own."""
+        return window_arguments(self.record.ops[index], self.windows, env) if index in self.on else None
+
+    def release_after(self, index: int) -> None:
+        """Drop the memory of the windows whose last kept operation is the one at ``index``."""
+        for window in self.on.get(index, ()):
+            if window.last == index:
+                window.release()
+
+
+def _plan(
+    record: Record, kept: list[int], targets: Mapping[int, int], walk: rng.Walk, device: torch.device | None
+) -> dict[int, Window]:
+    """The windows of ``Plan``, by storage."""
     if device is not None and device.type != "cpu":
         return {}
     layouts = record.layouts
@@ -270,7 +314,7 @@ def plan(
     for storage in reversed(touching):
         if storage in whole:
             continue
-        window = _window(record, storage, touching[storage], spans.get(storage, []), pattern_of, copied)
+        window = _window(record, storage, touching[storage], spans.get(storage, []), walk.pattern_of, copied)
         if window is not None:
             found[storage] = window
             if window.source is not None:
@@ -364,7 +408,7 @@ def _window(
     storage: int,
     indices: list[int],
     target_spans: list[range],
-    pattern_of: Callable[[int], draws.Pattern | None],
+    pattern_of: Callable[[int], rng.Pattern | None],
     copied: Mapping[int, Layout],
 ) -> Window | None:
     ops, layouts = record.ops, record.layouts
@@ -379,7 +423,7 @@ def _window(
     roles = {indices[0]: Role.CREATE if cloned is None else Role.CLONE}
     spans = list(target_spans)
     partial: dict[int, range] = {}
-    patterns: dict[int, draws.Pattern] = {}
+    patterns: dict[int, rng.Pattern] = {}
     for index in indices[1:]:
         op = ops[index]
         on = [slot for slot in op.slots if slot.storage == storage]
@@ -447,19 +491,17 @@ def _window(
             roles[index] = Role.OUTSIDE
             continue
         return None  # straddles the window's edge
-    if any(pattern.kind == draws.PAIRS for pattern in patterns.values()):
+    if any(pattern.kind == rng.PAIRS for pattern in patterns.values()):
         segments = (range(start, stop),)  # the scalar path's cached normal: drawn from the window's start
-    return Window(
-        storage, whole.dtype, start, stop, roles, indices[-1], patterns=patterns, segments=segments, source=source
-    )
+    return Window(storage, whole.dtype, start, stop, roles, indices[-1], segments=segments, source=source)
 
 
 def _gap_drawn(dtype: torch.dtype) -> int:
     """The longest gap, in elements, between two parts of a window that a random fill draws through rather than
-    jumps (Note [A window drawn as runs]): what a jump costs, in outputs (``draws.JUMP_COST``), over the outputs an
+    jumps (Note [A window drawn as runs]): what a jump costs, in outputs (``rng.JUMP_COST``), over the outputs an
     element takes (two for float64, one for narrower floats; fills that take more per element draw through a little
     more than they could jump)."""
-    return draws.JUMP_COST // (2 if dtype == torch.float64 else 1)
+    return rng.JUMP_COST // (2 if dtype == torch.float64 else 1)
 
 
 def _merged(runs: list[range], gap: int) -> tuple[range, ...]:
@@ -574,24 +616,6 @@ def _in_place_pointwise(func: OpOverload) -> bool:
 # --- running ---------------------------------------------------------------------------------------------------------
 
 
-def _draw_segments(
-    window: Window, pattern: draws.Pattern, state: torch.Tensor, ahead: int
-) -> tuple[torch.Tensor | None, int]:
-    """Draw the window's segments of a random fill of all of it into its memory, each from where the one before
-    stopped (Note [A window drawn as runs]); where the last stopped: its state and position."""
-    memory = window.memory()
-    end: torch.Tensor | None = state
-    position = -ahead  # outputs after the fill's first: the generator is `ahead` outputs before it
-    for segment in window.segments:
-        out = memory[segment.start - window.start : segment.stop - window.start]
-        assert end is not None
-        if position < 0:
-            _, end, position = pattern.draw_with_end(end, segment.start, segment.stop, ahead=-position, out=out)
-        else:
-            _, end, position = pattern.draw_with_end(end, segment.start, segment.stop, behind=position, out=out)
-    return end, position
-
-
 def window_arguments(op: Op, windows: Mapping[int, Window], env: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """The tensors to call ``op`` with, by position: ``env``'s, and for a ref on a window that ``env`` lacks (one
     that spans more than the window, which only metadata reads are given), a stand-in of its dtype and device, and
@@ -635,7 +659,7 @@ def create(op: Op, window: Window, arguments: tuple[Any, Any]) -> None:
     window.make = make
 
 
-def prepare(
+def _prepare(
     ops: list[Op],
     windows: Mapping[int, Window],
     factories: Mapping[int, OpOverload],
@@ -663,20 +687,9 @@ def _run_factory(
     return made
 
 
-def run(
-    op: Op,
-    index: int,
-    on: list[Window],
-    windows: Mapping[int, Window],
-    env: dict[int, torch.Tensor],
-    wanted: set[int],
-    device: torch.device | None,
-    copies: Copies,
-    walk: generator.Walk,
-    layouts: Mapping[int, Layout],
-) -> bool:
-    """Run the kept operation ``op`` (at ``index``) on the windows ``on`` that it has a role in; False if it is
-    only read by it, for the caller to run as usual with ``window_arguments``."""
+def _run(plan: Plan, op: Op, index: int, on: list[Window], env: dict[int, torch.Tensor], wanted: set[int]) -> bool:
+    """``Plan.run`` of the kept operation ``op`` (at ``index``) on the windows ``on`` that it has a role in."""
+    windows, layouts, device, copies = plan.windows, plan.record.layouts, plan.device, plan.copies
     roles = {on[0].roles[index]} if len(on) == 1 else {window.roles[index] for window in on}
     if Role.VIEW in roles:
         (window,) = on
@@ -698,16 +711,10 @@ def run(
         return True
     if Role.DRAW in roles:
         (window,) = on
-        state, ahead = walk.ahead_of(index)
-        pattern = window.patterns[index]
         if len(window.segments) <= 1 or window.host is not None:
-            values, end, position = pattern.draw_with_end(
-                state, window.start, window.stop, ahead=ahead, out=window.destination()
-            )
-            window.filled(values)
-        else:
-            end, position = _draw_segments(window, pattern, state, ahead)
-        walk.drew_part(index, end, position)
+            window.filled(plan.walk.draw_part(index, window.start, window.stop, out=window.destination()))
+        else:  # Note [A window drawn as runs]
+            plan.walk.draw_runs(index, window.segments, window.memory(), window.start)
         return True
     if Role.CLONE in roles:
         made = next(window for window in on if window.roles[index] == Role.CLONE)

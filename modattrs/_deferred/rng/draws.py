@@ -163,7 +163,7 @@ from typing import Final
 
 import torch
 
-from modattrs._deferred.mt19937 import FAR_JUMP_COST, jumped_state
+from modattrs._deferred.rng.mt19937 import FAR_JUMP_COST, jumped_state
 from modattrs._torch_private import CPU_STATE_NORMAL_CACHE, CPU_STATE_NORMAL_VALID, FakeTensor, contiguous_strides
 
 __all__ = [

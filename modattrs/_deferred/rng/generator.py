@@ -30,7 +30,7 @@ would). Code that draws before materializing (a new head, a data order, a dropou
 numbers, and a record so settled is replayed without touching the generator: a full materialization leaves it
 where it finds it, which is where eager code has it. Settling after a draw starts from the state before it (the
 draw's reset: the generator was settled after the previous one), so that it costs that one draw, not a walk of the
-record (Note [Slicing from the needed tensors] in ``replay``): ``model.apply(init)`` on a deferred model stays
+record (Note [Slicing from the needed tensors] in ``slicing``): ``model.apply(init)`` on a deferred model stays
 linear in its draws. Until then (while ``deferred_init`` records, and for a
 record drawn into from inside another ``deferred_init``) the position is a point, as described above.
 
@@ -60,16 +60,17 @@ import contextlib
 import functools
 import itertools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from modattrs._deferred import draws
-from modattrs._deferred.mt19937 import jumped_state
-from modattrs._deferred.record import DeferredInitError, Op, Point, Position, Record, scratch_arguments
-from modattrs._torch_private import FakeTensor, disable_current_modes
+from modattrs._deferred.record import Copies, DeferredInitError, Op, Point, Position, Record, scratch_arguments
+from modattrs._deferred.rng import draws
+from modattrs._deferred.rng.mt19937 import jumped_state
+from modattrs._deferred.slicing import keep_results, slice_of
+from modattrs._torch_private import FakeTensor, OpOverload, disable_current_modes, written_arguments
 
 __all__: list[str] = []
 
@@ -179,9 +180,9 @@ def restoring(func: Callable[..., None]) -> Callable[..., None]:
     return restoring
 
 
-def saving(func: Callable[..., torch.Tensor], resolve: Resolve) -> Callable[..., torch.Tensor]:
+def saving(func: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``torch.get_rng_state`` (``func``). At a point of a record, it returns the state eager code has there
-    (``resolve``, a replay of the record's draws up to that point: the real generator is elsewhere), tagged with
+    (``state_at``, a replay of the record's draws up to that point: the real generator is elsewhere), tagged with
     the point, so that putting it back returns there, and drawing from it gives eager code's numbers. Its arguments
     (torch's takes none) are handed to ``func`` as given."""
 
@@ -194,7 +195,7 @@ def saving(func: Callable[..., torch.Tensor], resolve: Resolve) -> Callable[...,
             at = position(state)
             if isinstance(at, torch.Tensor):
                 return state
-            eager = resolve(at)  # a tensor of its own: the caller may change it
+            eager = state_at(at)  # a tensor of its own: the caller may change it
             _tags[eager] = at
             return eager
 
@@ -262,12 +263,12 @@ def drew(record: Record) -> None:
         move_to(point)
 
 
-def settle(record: Record, state_after: Resolve) -> None:
+def settle(record: Record) -> None:
     """Put the real generator where eager code has it after ``record``'s draws, if it is at the record's point
     (nothing reseeded it since the last draw); see Note [The generator where eager code has it]."""
     with lock:
         if position() is record.point and not isinstance(record.point, torch.Tensor):
-            _set_state(state_after(record.point))
+            _set_state(state_at(record.point))
             _forget_point_of(record)  # the real state now is what the point stood for
             record.states.pop("", None)  # what working it out passed: replays jump from the start as cheaply
         record.settled = True
@@ -285,13 +286,41 @@ def reset_for_other_device(record: Record) -> torch.Tensor | None:
 
 # --- replays ----------------------------------------------------------------------------------------------------------
 
-Resolve = Callable[[Point], torch.Tensor]  # the state a point of a record stands for (a replay of that record)
+
+def state_at(point: Point) -> torch.Tensor:
+    """The default CPU generator's state at ``point`` (after the first ``count`` operations of ``record`` drew), as
+    in eager code: the record's draws up to there jumped over, and those whose count of outputs depends on values
+    (the pinned ones) run for real, with what they read."""
+    record, count = point
+    with replaying(record, None, to_end=False) as walk:
+        sliced = slice_of(record, {}, count)  # nothing is needed but the pinned operations and what they read
+        env: dict[int, torch.Tensor] = {}
+        copies: Copies = {}
+        for index in sliced.kept:
+            op = record.ops[index]
+            drawn = walk.is_draw(index)
+            if drawn:
+                walk.before(index)
+            args, kwargs = op.arguments({slot.index: env[slot.ref] for slot in op.slots}, None, copies=copies)
+            keep_results(op, op.func(*args, **kwargs), env, sliced.wanted, None, copies)
+            if drawn:
+                walk.ran(index)
+            for ref in sliced.frees.get(index, ()):
+                env.pop(ref, None)
+        walk.reach(count)
+        return real_state()
 
 
 class Walk:
-    """Moves the default CPU generator along one record's CPU draws, for one replay (see the module's docstring)."""
+    """Moves the default CPU generator along one record's CPU draws, for one replay (see the module's docstring).
 
-    def __init__(self, record: Record, device: torch.device | None, resolve: Resolve) -> None:
+    What the replay and the shard-local planner ask of it: whether an operation draws from the default CPU
+    generator (``is_draw``) and how, when ``draws`` models it (``pattern_of``); set the state a draw is run from
+    (``before``, then ``ran``); draw a part of a fill into a tensor, the generator moved on as if all of it were
+    drawn (``draw_part``, ``draw_runs``); jump to a point of the record (``reach``).
+    """
+
+    def __init__(self, record: Record, device: torch.device | None) -> None:
         self.record = record
         self.device = device
         # The record's own lists (draws_on_cpu of each, noted as it was recorded), read and never changed here: a
@@ -301,7 +330,6 @@ class Walk:
         self.states = record.states.setdefault("" if device is None else str(device), {})
         self.live: int | None = None  # the generator holds the state after the first `live` operations ...
         self.pending = 0  # ... but for this many outputs, which it is yet to be jumped over
-        self._resolve = resolve
         self._scratch: dict[int, torch.Tensor] = {}  # memory the draws it runs without keeping write into
         self._outputs: dict[int, int | None] = {}  # by draw: see _outputs_of
         self._patterns: dict[int, draws.Pattern | None] = {}  # by draw: see pattern_of
@@ -312,14 +340,46 @@ class Walk:
 
     def before(self, index: int) -> None:
         """Set the generator to the state the draw at ``index`` draws from in eager code."""
-        self.ahead_of(index)
+        self._ahead_of(index)
         self._jump_pending()
         self.live = None
 
-    def ahead_of(self, index: int) -> tuple[torch.Tensor, int]:
+    def draw_part(self, index: int, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Draw elements ``start:stop`` of the random fill at ``index`` (a draw ``pattern_of`` models) as eager code's
+        whole fill has them, into ``out`` if given (else into memory of their own), and return them; the fill is
+        not run, and the generator goes on from where the part stopped (``_drew_part``)."""
+        pattern = self._modelled(index)
+        state, ahead = self._ahead_of(index)
+        values, end, position = pattern.draw_with_end(state, start, stop, ahead=ahead, out=out)
+        self._drew_part(index, end, position)
+        return values
+
+    def draw_runs(self, index: int, runs: Sequence[range], out: torch.Tensor, offset: int) -> None:
+        """``draw_part`` of each of ``runs`` (sorted, disjoint elements of the fill at ``index``) into its place in
+        ``out``, which holds the fill's elements from ``offset`` on: each run drawn from where the one before stopped,
+        the gaps jumped (Note [A window drawn as runs] in ``windows``)."""
+        pattern = self._modelled(index)
+        state, ahead = self._ahead_of(index)
+        end: torch.Tensor | None = state
+        position = -ahead  # outputs after the fill's first: the generator is `ahead` outputs before it
+        for run in runs:
+            part = out[run.start - offset : run.stop - offset]
+            assert end is not None
+            if position < 0:
+                _, end, position = pattern.draw_with_end(end, run.start, run.stop, ahead=-position, out=part)
+            else:
+                _, end, position = pattern.draw_with_end(end, run.start, run.stop, behind=position, out=part)
+        self._drew_part(index, end, position)
+
+    def _modelled(self, index: int) -> draws.Pattern:
+        found = self.pattern_of(index)
+        assert found is not None, f"a part drawn of operation {index}, which draws does not model"
+        return found
+
+    def _ahead_of(self, index: int) -> tuple[torch.Tensor, int]:
         """The generator's state and how many outputs before the draw at ``index`` it is: the draw reads the state
         ``jumped_state(state, outputs)``, jumped here by whoever draws a part of it, in one jump with the jump to
-        that part (``skipped`` then notes the draw)."""
+        that part (``_drew_part`` then notes the draw)."""
         op = self.record.ops[index]
         if op.reset is not None:
             _set_state(self._reset_of(index))
@@ -333,20 +393,20 @@ class Walk:
         self.live = index + 1
         self.record.drawn.add(index)
 
-    def skipped(self, index: int) -> None:
+    def _skipped(self, index: int) -> None:
         """Note that the draw at ``index`` was not run (a part of its result was drawn apart, see
-        ``Note [Replaying only the part that is kept]``): the generator is where ``ahead_of`` left it."""
+        ``Note [Replaying only the part that is kept]``): the generator is where ``_ahead_of`` left it."""
         self.live = index
         self.record.drawn.add(index)
 
-    def drew_part(self, index: int, state: torch.Tensor | None, position: int) -> None:
-        """Note that a part of the draw at ``index`` was drawn apart (``ahead_of``), by a private generator that
+    def _drew_part(self, index: int, state: torch.Tensor | None, position: int) -> None:
+        """Note that a part of the draw at ``index`` was drawn apart (``_ahead_of``), by a private generator that
         stopped in ``state``, ``position`` outputs after the draw's first: the generator goes there, so that the
         next jump starts from a place that repeats from one identical layer to the next. Without a ``state``, or
         for a draw whose count of outputs depends on the state, the generator stays (``skipped``)."""
         outputs = self._outputs_of(index)
         if state is None or outputs is None:
-            self.skipped(index)
+            self._skipped(index)
             return
         _set_state(state)
         self.live, self.pending = index + 1, outputs - position
@@ -471,7 +531,7 @@ class Walk:
         return self.record.start
 
     def _state_of(self, position: Position) -> torch.Tensor:
-        return position if isinstance(position, torch.Tensor) else self._resolve(position)
+        return position if isinstance(position, torch.Tensor) else state_at(position)
 
 
 def _draws_for(record: Record, device: torch.device | None) -> tuple[list[int], list[int]]:
@@ -514,7 +574,7 @@ def _call_key(op: Op, device: torch.device | None) -> tuple[Any, ...] | None:
 
 
 @contextlib.contextmanager
-def replaying(record: Record, device: torch.device | None, resolve: Resolve, *, to_end: bool) -> Iterator[Walk]:
+def replaying(record: Record, device: torch.device | None, *, to_end: bool) -> Iterator[Walk]:
     """Run a replay of ``record``, one at a time, with the walk that moves the generator along its draws.
 
     Afterwards the generator is put back, unless the replay ran ``to_end`` (every draw
@@ -526,7 +586,7 @@ def replaying(record: Record, device: torch.device | None, resolve: Resolve, *, 
         keep = to_end and not record.settled and (position() is record.point or epoch == record.point_epoch)
         with suspended(), disable_current_modes(), torch.no_grad():
             saved = real_state()
-            walk = Walk(record, device, resolve)
+            walk = Walk(record, device)
             finished = False
             try:
                 yield walk
@@ -538,6 +598,22 @@ def replaying(record: Record, device: torch.device | None, resolve: Resolve, *, 
                     _forget_point_of(record)
                 else:
                     _set_state(saved)
+
+
+def filled_on_threads(func: object, args: Sequence[Any], kwargs: dict[str, Any], threads: int) -> torch.Tensor | None:
+    """Run a draw from the default CPU generator that fills its first argument in place (``func`` called with
+    ``args`` and ``kwargs``) on ``threads`` threads (``draws.Pattern.draw_into``: the same values, each thread
+    drawing its own range from a jumped copy of the state), and move the generator past it; return the filled
+    tensor. None, and nothing done, for a call ``draws`` does not model so."""
+    if not isinstance(func, OpOverload) or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    if 0 not in (index for index, _ in written_arguments(func)):
+        return None
+    found = draws.pattern(func, args, kwargs)
+    if found is None:
+        return None
+    torch.default_generator.set_state(found.draw_into(args[0], real_state(), threads))
+    return args[0]
 
 
 def _forget_point_of(record: Record) -> None:
