@@ -15,7 +15,6 @@ generator, the replay asks it to set the state eager code drew from. Operations 
 from __future__ import annotations
 
 import bisect
-import functools
 import heapq
 from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -23,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from modattrs._deferred import draws, generator, windows
+from modattrs._deferred.ops import facts_of
 from modattrs._deferred.record import Copies, DeferredInitError, Op, Point, Record, private_results, reads_no_values
 from modattrs._torch_private import OpOverload, tree_flatten, written_arguments
 
@@ -117,20 +117,11 @@ def _run_kept(
             env.pop(ref, None)
 
 
-# Factories that fill what they make, and the factory with the same arguments that leaves it unfilled (the record
-# notes where they run: Record.filling_factories).
-UNFILLED = {
-    torch.ops.aten.zeros.default: torch.ops.aten.empty.memory_format,
-    torch.ops.aten.ones.default: torch.ops.aten.empty.memory_format,
-    torch.ops.aten.new_zeros.default: torch.ops.aten.new_empty.default,
-    torch.ops.aten.new_ones.default: torch.ops.aten.new_empty.default,
-}
-
-
 def _dead_fills(record: Record, kept: list[int]) -> dict[int, OpOverload]:
     """The kept factories whose fill nothing reads (``new_zeros`` that a ``copy_`` overwrites whole before any
     read, as FSDP2's padded shard), with the factory to run instead, which fills nothing: one pass over the memory
-    less, as a ``copy_`` into ``empty`` would be in eager code."""
+    less, as a ``copy_`` into ``empty`` would be in eager code (``ops.UNFILLED``; the record notes where such
+    factories run: ``Record.filling_factories``)."""
     ops, layouts = record.ops, record.layouts
     kept_ones = set(kept)
     dead: dict[int, OpOverload] = {}
@@ -138,7 +129,7 @@ def _dead_fills(record: Record, kept: list[int]) -> dict[int, OpOverload]:
     factories = (
         record.filling_factories
         if len(record.filling_factories) <= len(kept)
-        else [index for index in kept if ops[index].func in UNFILLED]
+        else [index for index in kept if facts_of(ops[index].func).unfilled is not None]
     )
     for index in factories:
         factory = ops[index]
@@ -151,8 +142,9 @@ def _dead_fills(record: Record, kept: list[int]) -> dict[int, OpOverload]:
             op = ops[later]
             if reads_no_values(op):
                 continue
-            if op.value_writer and storage in op.overwrites and storage not in op.reads:
-                dead[index] = UNFILLED[factory.func]  # type: ignore[index]
+            unfilled = facts_of(factory.func).unfilled
+            if unfilled is not None and op.value_writer and storage in op.overwrites and storage not in op.reads:
+                dead[index] = unfilled
             break
     return dead
 
@@ -311,20 +303,6 @@ def _refuse_collectives(record: Record, kept: list[int], targets: Mapping[int, i
 
 # c10d's collectives that send one rank's data to the others, as distribute_tensor does.
 _SENDING_ONE_RANKS_DATA = frozenset({torch.ops.c10d.scatter_.default, torch.ops.c10d.broadcast_.default})
-
-
-def is_collective(func: object) -> bool:
-    return isinstance(func, OpOverload) and _in_collective_namespace(func)
-
-
-@functools.lru_cache(maxsize=512)  # asked of every kept operation; the namespace is parsed from the schema's name
-def _in_collective_namespace(func: OpOverload) -> bool:
-    return func.namespace in _COLLECTIVE_NAMESPACES
-
-
-# c10d: the collectives torch.distributed calls (scatter_, broadcast_, allreduce_, ...); the others: functional
-# collectives, which DTensor uses to redistribute.
-_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
 
 
 def _filled_on_threads(op: Op, args: Sequence[Any], kwargs: dict[str, Any], threads: int) -> torch.Tensor | None:
