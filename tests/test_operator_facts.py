@@ -135,6 +135,7 @@ def test_every_random_fill_the_draws_model_binds_as_its_schema_says() -> None:
     for op in modelled:
         facts = ops.facts_of(op)
         assert facts.random
+        assert facts.random_fill == facts.in_place  # normal_ fills its argument; randn makes its result
         assert draws._PARSERS[str(op)].signature == facts.signature
     tensor = torch.empty(40)
     short = draws.pattern(aten.normal_.default, (tensor,), {})

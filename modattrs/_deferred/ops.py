@@ -19,8 +19,9 @@ torch tells its operators from those it leaves out. A torch that starts stating 
 the table can give way to the tag.
 
 Who asks what: the recorder (``recorder``) asks every call for ``written``, ``view``, ``random``, ``lift``,
-``value_writer``, ``collective``, ``unfilled``, and a factory for ``dtype_keyword`` and ``tensor_bounded``; the
-replay (``replay``) asks ``unfilled`` and ``random_fill``; the shard-local planner (``windows``) asks ``creator``,
+``value_writer``, ``collective``, ``unfilled``, and what reads the default dtype for ``dtype_keyword``,
+``tensor_bounded`` and ``pointwise``; the
+replay (``replay``) asks ``unfilled``; the shard-local planner (``windows``) asks ``creator``,
 ``metadata_read``, ``geometry_read`` and ``elementwise``; the models of the random kernels (``draws``) bind their
 arguments with ``signature`` and ``bind``.
 
@@ -42,8 +43,14 @@ __all__: list[str] = []
 
 aten = torch.ops.aten
 
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
 #: The default of a schema argument that has none.
-REQUIRED: Final = object()
+REQUIRED: Final = _Required()
 
 
 class Parameter(NamedTuple):
@@ -258,10 +265,6 @@ def _python_facts(op: object) -> OpFacts:
         unfilled=None,
         tensor_bounded=False,
     )
-
-
-def is_collective(op: object) -> bool:
-    return facts_of(op).collective
 
 
 def bind(signature: Signature, args: Sequence[object], kwargs: Mapping[str, object]) -> dict[str, object] | None:

@@ -25,6 +25,9 @@ window is known, the replay allocates the window alone and runs those operations
   window is drawn straight into that storage, where the copy would put it (see ``Note [Drawing into the padded
   shard]``).
 
+Which operations are creators, metadata reads and elementwise writes is the catalogue's (``ops``: read off their
+schemas and tags where torch states it).
+
 A storage touched by anything else (a write with a tensor source, an opaque initializer, a fill whose draws are
 not modelled, a view in another dtype, a change of geometry in place) is made whole, as before; so is one whose
 window would be all of it. The values in the window are those of the whole storage, bit for bit, so a shard
