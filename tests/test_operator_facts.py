@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from modattrs._deferred import draws, ops, windows
+from modattrs._deferred import draws, ops
 
 aten = torch.ops.aten
 
@@ -275,8 +275,21 @@ def test_each_filling_factory_and_its_unfilled_twin_take_the_same_arguments() ->
         assert [p.name for p in a.positional] == [p.name for p in b.positional]
 
 
-def test_the_shard_local_planner_reads_its_roles_from_the_catalogue() -> None:
-    # windows' creators, metadata reads and elementwise writes are the catalogue's, not tables of its own
-    assert not [name for name in vars(windows) if name in ("_CREATORS", "_METADATA", "_GEOMETRY")]
+def test_an_in_place_pointwise_operation_is_an_elementwise_write_and_its_out_of_place_twin_is_not() -> None:
     assert ops.facts_of(aten.mul_.Scalar).elementwise  # pointwise, in place: derived
     assert not ops.facts_of(aten.mul.Scalar).elementwise
+    assert not ops.facts_of(aten.copy_.default).elementwise  # reads another tensor
+
+
+def test_every_hand_written_writer_writes_its_first_argument_by_its_schema() -> None:
+    # the hand-written tables add to what the schema says, never contradict it
+    for op in ops.VALUE_WRITERS | ops.ELEMENTWISE_UNTAGGED:
+        assert ops.facts_of(op).in_place, op
+
+
+def test_every_creator_and_filling_factory_reads_no_values_by_its_schema() -> None:
+    for op in ops.CREATORS | frozenset(ops.UNFILLED) | frozenset(ops.UNFILLED.values()):
+        facts = ops.facts_of(op)
+        assert facts.factory or op in ops.METADATA_READS, op
+        assert not facts.written
+        assert not facts.random
