@@ -348,13 +348,15 @@ class SchemaArgument(NamedTuple):
 def schema_arguments(func: OpOverload) -> tuple[SchemaArgument, ...]:
     """The arguments of an aten operation's schema: OpOverload has no public accessor for the schema. A ``dtype``
     default is a ScalarType, which the schema hands over as its number (``randint``'s ``dtype=long`` is 4): torch's
-    dispatcher takes that number for a dtype, so an empty meta tensor made with it names the dtype. Checked on 2.13."""
+    dispatcher takes that number for a dtype, so an empty meta tensor made with it names the dtype. Checked on 2.8, 2.13
+    and 2.14."""
     arguments = []
     for argument in func._schema.arguments:
         required = not argument.has_default_value()
         default = None if required else argument.default_value
         if argument.name == "dtype" and type(default) is int:
-            default = torch.ops.aten.empty.memory_format([0], dtype=default, device="meta").dtype
+            with DisableTorchFunction(), DisableTorchDispatch():  # plain torch, whatever mode asks (the recorder)
+                default = torch.ops.aten.empty.memory_format([0], dtype=default, device="meta").dtype
         alias = argument.alias_info
         arguments.append(
             SchemaArgument(
@@ -372,7 +374,7 @@ def schema_arguments(func: OpOverload) -> tuple[SchemaArgument, ...]:
 
 def returns_tensors(func: OpOverload) -> bool:
     """Whether an aten operation's schema returns a tensor (or tensors): OpOverload has no public accessor for the
-    schema. Checked on 2.13."""
+    schema. Checked on 2.8, 2.13 and 2.14."""
     return any("Tensor" in str(result.type) for result in func._schema.returns)
 
 
