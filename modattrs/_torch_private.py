@@ -20,7 +20,7 @@ import functools
 import struct
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -340,6 +340,52 @@ def optional_dtype_keyword(func: OpOverload) -> bool:
         argument.name == "dtype" and argument.kwarg_only and isinstance(argument.type, torch.OptionalType)
         for argument in func._schema.arguments
     )
+
+
+class SchemaArgument(NamedTuple):
+    """One argument of an aten operation's schema, as ``_deferred.ops`` reads it."""
+
+    name: str
+    kwarg_only: bool  # after the ``*``
+    required: bool  # no default in the schema
+    default: object  # the schema's default (None when required); a ``ScalarType`` default is a torch.dtype
+    tensor: bool  # a Tensor, Tensor?, Tensor[] or Tensor?[]
+    out: bool  # an ``out=`` argument
+    written: bool  # marked ``(a!)``: written in place
+
+
+@functools.cache  # a schema's arguments are made anew on each read
+def schema_arguments(func: OpOverload) -> tuple[SchemaArgument, ...]:
+    """The arguments of an aten operation's schema: OpOverload has no public accessor for the schema. A ``dtype``
+    default is a ScalarType, which the schema hands over as its number (``randint``'s ``dtype=long`` is 4): torch's
+    dispatcher takes that number for a dtype, so an empty meta tensor made with it names the dtype. Checked on 2.8, 2.13
+    and 2.14."""
+    arguments = []
+    for argument in func._schema.arguments:
+        required = not argument.has_default_value()
+        default = None if required else argument.default_value
+        if argument.name == "dtype" and type(default) is int:
+            with DisableTorchFunction(), DisableTorchDispatch():  # plain torch, whatever mode asks (the recorder)
+                default = torch.ops.aten.empty.memory_format([0], dtype=default, device="meta").dtype
+        alias = argument.alias_info
+        arguments.append(
+            SchemaArgument(
+                name=argument.name,
+                kwarg_only=argument.kwarg_only,
+                required=required,
+                default=default,
+                tensor="Tensor" in str(argument.type),
+                out=argument.is_out,
+                written=alias is not None and alias.is_write,
+            )
+        )
+    return tuple(arguments)
+
+
+def returns_tensors(func: OpOverload) -> bool:
+    """Whether an aten operation's schema returns a tensor (or tensors): OpOverload has no public accessor for the
+    schema. Checked on 2.8, 2.13 and 2.14."""
+    return any("Tensor" in str(result.type) for result in func._schema.returns)
 
 
 def returns_aliases(func: OpOverload) -> bool:

@@ -132,12 +132,8 @@ ENGINE_LAYERS: list[tuple[str, set[str]]] = [
     ("the jump", {"modattrs._deferred.rng.mt19937"}),
     ("slicing a record", {"modattrs._deferred.slicing"}),
     ("the record", {"modattrs._deferred.record", "modattrs._deferred.construction", "modattrs._deferred"}),
+    ("what the engine knows of torch's operators", {"modattrs._deferred.ops"}),
 ]
-
-#: Imports that break the layers until the facts about torch operators they are for move down into a module of
-#: their own (issue 36, item 2): the recorder reads UNFILLED and is_collective from the replay beside it. Each entry
-#: is checked to be still needed, so that it goes when the import does.
-WAITING_FOR_THE_OPERATOR_CATALOGUE = {("modattrs._deferred.recorder", "modattrs._deferred.replay")}
 
 
 def engine_layer_of(module: str) -> int:
@@ -170,18 +166,13 @@ def engine_imports_out_of_order() -> set[tuple[str, str]]:
 
 
 def test_no_module_of_deferred_inits_engine_imports_one_above_it_or_beside_it() -> None:
-    wrong = engine_imports_out_of_order() - WAITING_FOR_THE_OPERATOR_CATALOGUE
+    wrong = engine_imports_out_of_order()
     described = [
         f"{module} ({ENGINE_LAYERS[engine_layer_of(module)][0]}) imports {target} "
         f"({ENGINE_LAYERS[engine_layer_of(target)][0]})"
         for module, target in sorted(wrong)
     ]
     assert not described, "\n".join(described)
-
-
-def test_each_import_waiting_for_the_operator_catalogue_is_still_made() -> None:
-    # Once the operator facts have their own module, the import is gone: remove its entry, and the rule holds whole.
-    assert engine_imports_out_of_order() >= WAITING_FOR_THE_OPERATOR_CATALOGUE
 
 
 def test_outside_exact_randomness_the_package_imports_only_its_face() -> None:
@@ -263,9 +254,7 @@ def test_the_walks_from_deferred_init_and_materialize_module_visit_each_module_o
         f"{caller} ({ENGINE_LAYERS[engine_layer_of(caller)][0]}) calls {callee}.{name} "
         f"({ENGINE_LAYERS[engine_layer_of(callee)][0]})"
         for caller, callee, name in calls
-        if engine_layer_of(callee) <= engine_layer_of(caller)
-        and (caller, callee) not in WAITING_FOR_THE_OPERATOR_CATALOGUE
-        and name not in TORCH_CALLS_THEM
+        if engine_layer_of(callee) <= engine_layer_of(caller) and name not in TORCH_CALLS_THEM
     ]
     assert not climbing, "\n".join(climbing)
     visited = {module for call in calls for module in call[:2]}

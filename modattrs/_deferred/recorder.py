@@ -33,6 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from modattrs._deferred import rng
+from modattrs._deferred.ops import OpFacts, facts_of
 from modattrs._deferred.record import (
     NO_RESULTS,
     Constant,
@@ -54,7 +55,6 @@ from modattrs._deferred.record import (
     snapshot,
     span_bytes,
 )
-from modattrs._deferred.replay import UNFILLED, is_collective
 from modattrs._fake import cuda_guard
 from modattrs._fake.mode import CONSTANT_LIMIT, ModattrsFakeTensorMode
 from modattrs._names import callable_name, where
@@ -73,13 +73,10 @@ from modattrs._torch_private import (
     disable_current_modes,
     forget_fakes,
     operator_arguments,
-    optional_dtype_keyword,
-    overloads_of,
     tree_flatten,
     tree_unflatten,
     version_of,
     view_base_of,
-    written_arguments,
 )
 
 __all__: list[str] = []
@@ -145,7 +142,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         if depth:
             return super().__torch_dispatch__(func, types, args, kwargs)
         kwargs = kwargs or {}
-        facts = _facts_of(func)
+        facts = facts_of(func)
         with rng.lock:
             # A view of one fake tensor given nothing else but plain values (a detach, a narrow, a split: most of
             # FSDP2's cutting) is known by its argument's key alone until it runs: its result may be that argument
@@ -228,7 +225,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         """Record ``func(*args, **kwargs)`` as one call that writes ``target`` in place, without running it (a
         constant it writes forgets its values, as in fake mode)."""
         with rng.lock:
-            pending = self._begin(func, _facts_of(func), args, kwargs, (target,), random=True)
+            pending = self._begin(func, facts_of(func), args, kwargs, (target,), random=True)
             self._finish(pending, target)
         return super().opaque_call(func, args, kwargs, target)
 
@@ -278,7 +275,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
     def _begin(
         self,
         func: Callable[..., Any],
-        facts: _Facts,
+        facts: OpFacts,
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
         mutated: Sequence[torch.Tensor],
@@ -401,7 +398,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
     def _constant(self, func: Callable[..., Any], position: int, tensor: torch.Tensor) -> Constant:
         """The record's note of a real tensor given to ``func``: a copy of its values now, or, given to a view
         operation, the tensor itself and the bytes it spans now (see Note [Real tensors are read when recorded])."""
-        if func in _LIFTS or tensor.is_meta:  # no other code holds the former; the latter has no values
+        if facts_of(func).lift or tensor.is_meta:  # no other code holds the former; the latter has no values
             return Constant(position, tensor, version_of(tensor))
         with disable_current_modes(), torch.no_grad():
             if isinstance(func, OpOverload) and (func.is_view or func.overloadpacket is torch.ops.aten.set_):
@@ -487,7 +484,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             op.reset = rng.reset_for_other_device(self.record)
         self._append(op, pending.facts)
 
-    def _append(self, op: Op, facts: _Facts | None = None) -> None:
+    def _append(self, op: Op, facts: OpFacts | None = None) -> None:
         """Append ``op`` to the record, noting what replays would otherwise find in a pass over the record: the
         devices it names and whether it is a collective (``replay._check_devices``, ``replay._refuse_collectives``),
         whether it draws from a default generator and from a reset (``rng.Walk``), the storages it touches
@@ -495,7 +492,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         factory that fills what it makes (``replay._dead_fills``). Each replay, and each draw recorded after
         ``deferred_init`` returned, then costs what it uses of the record, not a pass over all of it."""
         record, index = self.record, len(self.record.ops)
-        facts = facts or _facts_of(op.func)
+        facts = facts or facts_of(op.func)
         op.call = call_of(op)
         record.devices.update([slot.device for slot in op.slots])
         if op.device_slots:
@@ -513,7 +510,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                     record.cpu_resets.append(index)
         if op.pinned:
             record.pinned.append(index)
-        if facts.unfilled:
+        if facts.unfilled is not None:
             record.filling_factories.append(index)
         for storage in op.touched:
             record.touching.setdefault(storage, []).append(index)
@@ -757,7 +754,7 @@ _LOGGING = os.path.dirname(logging.__file__) + os.sep
 @dataclass(slots=True, kw_only=True)
 class _Pending:
     func: Callable[..., Any]
-    facts: _Facts
+    facts: OpFacts
     flat: list[Any]
     spec: TreeSpec
     plain: Plain | None
@@ -794,29 +791,6 @@ def _writes_real(func: Callable[..., Any], real: _Real) -> DeferredInitError:
         f"The copy is recorded with its changes, and {given} stays as it is.\n"
         "Or change the tensor before deferred_init, or after materialize_module"
     )
-
-
-# torch.tensor(...) hands its new real tensor to these, which no code but torch's sees: its fake is the record's own.
-_LIFTS = frozenset({torch.ops.aten.lift_fresh.default})
-
-# In-place operations that write values into their first argument whatever it held, and change nothing else of it.
-_VALUE_WRITERS = frozenset(
-    overload
-    for packet in (
-        torch.ops.aten.normal_,
-        torch.ops.aten.uniform_,
-        torch.ops.aten.random_,
-        torch.ops.aten.exponential_,
-        torch.ops.aten.cauchy_,
-        torch.ops.aten.log_normal_,
-        torch.ops.aten.geometric_,
-        torch.ops.aten.bernoulli_,
-        torch.ops.aten.fill_,
-        torch.ops.aten.zero_,
-        torch.ops.aten.copy_,
-    )
-    for overload in (getattr(packet, name) for name in packet.overloads())  # type: ignore[no-untyped-call]
-)
 
 
 def _made_here(
@@ -861,12 +835,12 @@ def _pass_default_dtype(pending: _Pending, result: Any) -> tuple[tuple[int, ...]
     [The default dtype is passed, never set] in record): a factory's ``dtype`` written into its arguments here; the
     positions of the tensors to cast to it (``Op.promoted``); and whether it reads it in a way neither passes
     (``Op.reads_default_dtype``)."""
-    func = pending.func
+    func, facts = pending.func, pending.facts
     if not isinstance(func, OpOverload):  # an opaque initializer: Python code
         return (), not _reads_no_default_dtype(func)
     for slot in pending.slots:
         if not slot.written and (slot.dtype.is_floating_point or slot.dtype.is_complex):
-            if func in _TENSOR_BOUNDED_FACTORIES:
+            if facts.tensor_bounded:
                 break
             return (), False  # most operations: a float tensor read, whose category promotion keeps (see below)
     leaves = pending.flat
@@ -875,7 +849,7 @@ def _pass_default_dtype(pending: _Pending, result: Any) -> tuple[tuple[int, ...]
     results = [leaf for leaf in _leaves(result) if isinstance(leaf, torch.Tensor)]
     tensors = [(slot.index, slot.dtype) for slot in pending.slots]
     tensors += [(constant.index, constant.tensor.dtype) for constant in pending.constant_slots]
-    if (not tensors or func in _TENSOR_BOUNDED_FACTORIES) and len(results) == 1 and optional_dtype_keyword(func):
+    if (not tensors or facts.tensor_bounded) and len(results) == 1 and facts.dtype_keyword:
         _give_dtype(pending, results[0].dtype)
         return (), False
     if not tensors:
@@ -892,7 +866,7 @@ def _pass_default_dtype(pending: _Pending, result: Any) -> tuple[tuple[int, ...]
         return (), False  # integers and booleans throughout
     if outs:
         return (), True
-    if torch.Tag.pointwise not in func.tags or written:
+    if not facts.pointwise or written:
         return (), floats_made
     complex_numbers = any(type(value) is complex for value in leaves) or any(t.dtype.is_complex for t in results)
     if complex_numbers and torch.get_default_dtype() is torch.bfloat16:
@@ -908,12 +882,6 @@ def _pass_default_dtype(pending: _Pending, result: Any) -> tuple[tuple[int, ...]
     # (``masked_fill``): it read no default.
     return (), floats_made
 
-
-# Factories whose bounds are tensors (``linspace(start, end, steps)`` of 0-dim tensors): with ``dtype`` None they make
-# the default dtype, whatever the dtypes of those tensors.
-_TENSOR_BOUNDED_FACTORIES = frozenset(
-    func for func in overloads_of(torch.ops.aten.linspace, torch.ops.aten.logspace) if optional_dtype_keyword(func)
-)
 
 # Pointwise operations' tensor arguments that are not promoted with the others: where's condition, a mask.
 _NOT_OPERANDS = frozenset({"condition", "mask"})
@@ -1087,42 +1055,7 @@ def _reads_values(pending: _Pending) -> bool:
     )
 
 
-class _Facts(NamedTuple):
-    """What the recorder asks of an operator for each call, worked out once (``_facts_of``)."""
-
-    func: object  # held, so that its id, the key of _FACTS, names it for good
-    random: bool  # it draws: its tags say nondeterministic_seeded (a list built at each ask)
-    written: tuple[tuple[int, str], ...]  # the arguments its schema marks as written: (position, name)
-    view: bool  # an aten view operation
-    lift: bool  # in _LIFTS
-    value_writer: bool  # in _VALUE_WRITERS, or an opaque function
-    collective: bool  # replay.is_collective
-    unfilled: bool  # a factory that fills what it makes (replay.UNFILLED)
-
-
-#: By the id of the operator: an OpOverload hashes in Python code, as dear as the rest of a look-up.
-_FACTS: dict[int, _Facts] = {}
-
-
-def _facts_of(func: Any) -> _Facts:
-    facts = _FACTS.get(id(func))
-    if facts is not None and facts.func is func:
-        return facts
-    aten = isinstance(func, OpOverload)
-    facts = _FACTS[id(func)] = _Facts(
-        func=func,
-        random=aten and torch.Tag.nondeterministic_seeded in func.tags,
-        written=written_arguments(func) if aten else (),
-        view=aten and func.is_view,
-        lift=aten and func in _LIFTS,
-        value_writer=not aten or func in _VALUE_WRITERS,
-        collective=is_collective(func),
-        unfilled=aten and func in UNFILLED,
-    )
-    return facts
-
-
-def _viewed_alone(facts: _Facts, args: Sequence[Any], kwargs: Mapping[str, Any]) -> FakeTensor | None:
+def _viewed_alone(facts: OpFacts, args: Sequence[Any], kwargs: Mapping[str, Any]) -> FakeTensor | None:
     """The fake tensor a view operation is given, if it is given that one strided fake tensor first and plain
     values else (no other tensor, device, generator, storage), with no argument written; else None."""
     if not facts.view or facts.written or not args:
@@ -1144,7 +1077,7 @@ def _viewed_alone(facts: _Facts, args: Sequence[Any], kwargs: Mapping[str, Any])
 _PLAIN_VALUES = frozenset({int, float, bool, type(None), torch.dtype, torch.memory_format})
 
 
-def _mutated_arguments(facts: _Facts, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+def _mutated_arguments(facts: OpFacts, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
     """The tensors that an aten operation writes in place, from its schema."""
     tensors: list[torch.Tensor] = []
     for index, name in facts.written:

@@ -10,12 +10,12 @@ of fills that the shard-local planner (``windows.Plan``) makes alone. Operations
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Container, Iterable, Mapping
 
 import torch
 
 from modattrs._deferred import rng, windows
+from modattrs._deferred.ops import facts_of
 from modattrs._deferred.record import Copies, DeferredInitError, Op, Record, reads_no_values
 from modattrs._deferred.slicing import Slice, keep_results, slice_of
 from modattrs._torch_private import OpOverload
@@ -77,20 +77,11 @@ def _run_kept(
     return env
 
 
-# Factories that fill what they make, and the factory with the same arguments that leaves it unfilled (the record
-# notes where they run: Record.filling_factories).
-UNFILLED = {
-    torch.ops.aten.zeros.default: torch.ops.aten.empty.memory_format,
-    torch.ops.aten.ones.default: torch.ops.aten.empty.memory_format,
-    torch.ops.aten.new_zeros.default: torch.ops.aten.new_empty.default,
-    torch.ops.aten.new_ones.default: torch.ops.aten.new_empty.default,
-}
-
-
 def _dead_fills(record: Record, kept: list[int]) -> dict[int, OpOverload]:
     """The kept factories whose fill nothing reads (``new_zeros`` that a ``copy_`` overwrites whole before any
     read, as FSDP2's padded shard), with the factory to run instead, which fills nothing: one pass over the memory
-    less, as a ``copy_`` into ``empty`` would be in eager code."""
+    less, as a ``copy_`` into ``empty`` would be in eager code (``ops.UNFILLED``; the record notes where such
+    factories run: ``Record.filling_factories``)."""
     ops, layouts = record.ops, record.layouts
     kept_ones = set(kept)
     dead: dict[int, OpOverload] = {}
@@ -98,7 +89,7 @@ def _dead_fills(record: Record, kept: list[int]) -> dict[int, OpOverload]:
     factories = (
         record.filling_factories
         if len(record.filling_factories) <= len(kept)
-        else [index for index in kept if ops[index].func in UNFILLED]
+        else [index for index in kept if facts_of(ops[index].func).unfilled is not None]
     )
     for index in factories:
         factory = ops[index]
@@ -111,8 +102,9 @@ def _dead_fills(record: Record, kept: list[int]) -> dict[int, OpOverload]:
             op = ops[later]
             if reads_no_values(op):
                 continue
-            if op.value_writer and storage in op.overwrites and storage not in op.reads:
-                dead[index] = UNFILLED[factory.func]  # type: ignore[index]
+            unfilled = facts_of(factory.func).unfilled
+            if unfilled is not None and op.value_writer and storage in op.overwrites and storage not in op.reads:
+                dead[index] = unfilled
             break
     return dead
 
@@ -198,18 +190,6 @@ def _refuse_collectives(record: Record, kept: list[int], targets: Mapping[int, i
 _SENDING_ONE_RANKS_DATA = frozenset({torch.ops.c10d.scatter_.default, torch.ops.c10d.broadcast_.default})
 
 
-def is_collective(func: object) -> bool:
-    return isinstance(func, OpOverload) and _in_collective_namespace(func)
-
-
-@functools.lru_cache(maxsize=512)  # asked of every kept operation; the namespace is parsed from the schema's name
-def _in_collective_namespace(func: OpOverload) -> bool:
-    return func.namespace in _COLLECTIVE_NAMESPACES
-
-
-# c10d: the collectives torch.distributed calls (scatter_, broadcast_, allreduce_, ...); the others: functional
-# collectives, which DTensor uses to redistribute.
-_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
 
 
 def _run(

@@ -25,6 +25,9 @@ window is known, the replay allocates the window alone and runs those operations
   window is drawn straight into that storage, where the copy would put it (see ``Note [Drawing into the padded
   shard]``).
 
+Which operations are creators, metadata reads and elementwise writes is the catalogue's (``ops``: read off their
+schemas and tags where torch states it).
+
 A storage touched by anything else (a write with a tensor source, an opaque initializer, a fill whose draws are
 not modelled, a view in another dtype, a change of geometry in place) is made whole, as before; so is one whose
 window would be all of it. The values in the window are those of the whole storage, bit for bit, so a shard
@@ -92,47 +95,13 @@ from typing import Any
 import torch
 
 from modattrs._deferred import rng
+from modattrs._deferred.ops import facts_of
 from modattrs._deferred.record import Copies, Layout, Op, Record, Slot, reads_no_values
-from modattrs._torch_private import OpOverload, contiguous_strides, operator_arguments, written_arguments
+from modattrs._torch_private import OpOverload, contiguous_strides, operator_arguments
 
 __all__: list[str] = []
 
 aten = torch.ops.aten
-
-# Factories that make a whole, new storage of the size they are given; the window is made with that size replaced.
-_CREATORS = frozenset(
-    {
-        aten.empty.memory_format,
-        aten.empty_strided.default,
-        aten.zeros.default,
-        aten.ones.default,
-        aten.full.default,
-        aten.new_empty.default,
-        aten.new_empty_strided.default,
-        aten.new_zeros.default,
-        aten.new_ones.default,
-        aten.new_full.default,
-    }
-)
-# Operations that read only the dtype and device of a tensor (or nothing of it): given a stand-in without elements.
-_METADATA = frozenset(
-    {
-        torch.ops.prim.device.default,
-        aten.new_empty.default,
-        aten.new_empty_strided.default,
-        aten.new_zeros.default,
-        aten.new_ones.default,
-        aten.new_full.default,
-    }
-)
-# Operations that read the sizes and strides of a tensor besides its dtype and device, and none of its values:
-# given a stand-in of that geometry whose values are never set. DTensor's scatter makes its output so, from the
-# first chunk (see Note [A scatter of a deferred source is the rank's own chunk]), which a rank's window lacks.
-_GEOMETRY = frozenset(
-    {aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default}
-)
-# In-place operations that write each element from that element alone (besides numbers).
-_ELEMENTWISE_EXTRA = frozenset({aten.fill_.Scalar, aten.zero_.default})
 
 
 class Role:
@@ -434,13 +403,14 @@ def _window(
         if not isinstance(func, OpOverload):
             return None  # an opaque initializer: its effect on a part is unknown
         made = op.results
+        facts = facts_of(func)
         written = [slot for slot in on if slot.written]
         if not written and storage not in op.writes:
             if func.is_view and not made.unlaid and made.storages <= {storage}:
                 if not made.dtypes <= {whole.dtype}:
                     return None
                 roles[index] = Role.VIEW
-            elif (func in _METADATA or func in _GEOMETRY) and storage not in made.storages:
+            elif (facts.metadata_read or facts.geometry_read) and storage not in made.storages:
                 roles[index] = Role.METADATA
             elif storage in made.storages:
                 return None  # makes a tensor on this storage without being a view
@@ -458,7 +428,7 @@ def _window(
         if pattern is not None:
             roles[index] = Role.DRAW
             patterns[index] = pattern
-        elif op.draws.value == 0 and (func in _ELEMENTWISE_EXTRA or _in_place_pointwise(func)):
+        elif op.draws.value == 0 and facts.elementwise:
             roles[index] = Role.ELEMENTWISE
             if not covers:
                 partial[index] = layout.span
@@ -557,7 +527,7 @@ def _hull(spans: Sequence[range]) -> tuple[int, int] | None:
 
 def _created(op: Op, storage: int, layouts: Mapping[int, Layout]) -> Layout | None:
     """The layout of the whole storage if ``op`` is a factory that made it, contiguous from its start."""
-    if len(op.out_refs) != 1 or op.func not in _CREATORS:
+    if len(op.out_refs) != 1 or not facts_of(op.func).creator:
         return None
     for slot in op.slots:
         if slot.storage == storage:
@@ -608,11 +578,6 @@ def _contiguous_geometry(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bo
     return all(size == 1 or got == want for size, got, want in zip(sizes, strides, expected, strict=True))
 
 
-def _in_place_pointwise(func: OpOverload) -> bool:
-    """An elementwise operation that writes its first argument (torch 2.8 has no ``inplace`` tag: the schema says)."""
-    return torch.Tag.pointwise in func.tags and any(position == 0 for position, _ in written_arguments(func))
-
-
 # --- running ---------------------------------------------------------------------------------------------------------
 
 
@@ -623,7 +588,7 @@ def window_arguments(op: Op, windows: Mapping[int, Window], env: Mapping[int, to
     tensors = {}
     for slot in op.slots:
         found = env.get(slot.ref)
-        if found is None and op.func in _GEOMETRY:
+        if found is None and facts_of(op.func).geometry_read:
             found = torch.empty_strided(slot.size, slot.stride, dtype=slot.dtype, device="cpu")
         tensors[slot.index] = windows[slot.storage].stand_in() if found is None else found
     return tensors

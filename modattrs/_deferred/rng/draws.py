@@ -163,6 +163,7 @@ from typing import Final
 
 import torch
 
+from modattrs._deferred.ops import Signature, bind, facts_of
 from modattrs._deferred.rng.mt19937 import FAR_JUMP_COST, jumped_state
 from modattrs._torch_private import CPU_STATE_NORMAL_CACHE, CPU_STATE_NORMAL_VALID, FakeTensor, contiguous_strides
 
@@ -585,7 +586,7 @@ def pattern(op: object, args: Sequence[object], kwargs: Mapping[str, object] | N
     parser = _PARSERS.get(str(op)) if isinstance(op, _OVERLOAD) else None
     if parser is None or not callable(op):
         return None
-    bound = _bind(parser.spec, args, dict(kwargs or {}))
+    bound = bind(parser.signature, args, kwargs or {})
     if bound is None:
         return None
     call = parser.build(bound)
@@ -658,57 +659,10 @@ def _variants(call: _Call) -> list[_Variant]:
 # --- parsing the arguments -------------------------------------------------------------------------------------------
 
 
-_REQUIRED: Final = object()
-
-
-@dataclass(frozen=True)
-class _Spec:
-    positional: tuple[tuple[str, object], ...]  # (name, default or _REQUIRED), in schema order
-    keyword: tuple[tuple[str, object], ...]  # keyword-only
-
-
 @dataclass(frozen=True)
 class _Parser:
-    spec: _Spec
+    signature: Signature  # how the operation's arguments bind: its schema's (``ops``)
     build: Callable[[dict[str, object]], _Call | None]
-
-
-def _bind(spec: _Spec, args: Sequence[object], kwargs: dict[str, object]) -> dict[str, object] | None:
-    """The arguments by name, with the schema's defaults; ``None`` if they do not fit the schema."""
-    if len(args) > len(spec.positional):
-        return None
-    bound: dict[str, object] = {}
-    for (name, _), value in zip(spec.positional, args, strict=False):
-        bound[name] = value
-    for name, default in (*spec.positional, *spec.keyword):
-        if name in kwargs:
-            if name in bound:
-                return None
-            bound[name] = kwargs.pop(name)
-        elif name not in bound:
-            if default is _REQUIRED:
-                return None
-            bound[name] = default
-    return None if kwargs else bound
-
-
-def _in_place(*parameters: tuple[str, object]) -> _Spec:
-    return _Spec((("self", _REQUIRED), *parameters), (("generator", None),))
-
-
-_FACTORY_KEYWORDS: Final = (("dtype", None), ("layout", None), ("device", None), ("pin_memory", None))
-_LIKE_KEYWORDS: Final = (*_FACTORY_KEYWORDS, ("memory_format", None))
-
-
-def _factory(*parameters: tuple[str, object], generator: bool, dtype: object = None) -> _Spec:
-    keywords = (("dtype", dtype), *_FACTORY_KEYWORDS[1:])
-    return _Spec(parameters, ((("generator", _REQUIRED),) if generator else ()) + keywords)
-
-
-def _like(*parameters: tuple[str, object], generator: bool) -> _Spec:
-    return _Spec(
-        (("self", _REQUIRED), *parameters), ((("generator", _REQUIRED),) if generator else ()) + _LIKE_KEYWORDS
-    )
 
 
 def _number(value: object) -> float | None:
@@ -951,12 +905,14 @@ def _moved_to(dtype: torch.dtype, high: int) -> int:
 def _parsers() -> dict[str, _Parser]:
     parsers: dict[str, _Parser] = {}
 
-    def add(packet: str, overload: str, spec: _Spec, build: Callable[[dict[str, object]], _Call | None]) -> None:
+    def add(packet: str, overload: str, build: Callable[[dict[str, object]], _Call | None]) -> None:
         try:
             op = getattr(getattr(_aten, packet), overload)
         except AttributeError:  # an overload this torch release lacks
             return
-        parsers[str(op)] = _Parser(spec, build)  # by name: packets can hand out more than one object per overload
+        signature = facts_of(op).signature
+        assert signature is not None  # an aten overload's
+        parsers[str(op)] = _Parser(signature, build)  # by name: packets can hand out more than one object per overload
 
     every = _FLOATS | _INTEGERS
 
@@ -974,44 +930,30 @@ def _parsers() -> dict[str, _Parser]:
     ) -> Callable[[dict[str, object]], _Call | None]:
         return lambda b: _two_per_element(family, op, dtypes, anything(b), *(_number(b[name]) for name in names))
 
-    add("uniform_", "default", _in_place(("from", 0.0), ("to", 1.0)),
-        lambda b: _uniform(floats(b), _number(b["from"]), _number(b["to"])))  # fmt: skip
-    add("normal_", "default", _in_place(("mean", 0.0), ("std", 1.0)),
-        lambda b: _normal(floats(b), _number(b["mean"]), _number(b["std"])))  # fmt: skip
-    add("log_normal_", "default", _in_place(("mean", 1.0), ("std", 2.0)),
-        lambda b: _log_normal(floats(b), _number(b["mean"]), _number(b["std"])))  # fmt: skip
-    add("bernoulli_", "float", _in_place(("p", 0.5)), two("bernoulli", _aten.bernoulli_.float, every, "p"))
-    add("exponential_", "default", _in_place(("lambd", 1.0)),
-        two("exponential", _aten.exponential_.default, _FLOATS, "lambd"))  # fmt: skip
-    add("cauchy_", "default", _in_place(("median", 0.0), ("sigma", 1.0)),
-        two("cauchy", _aten.cauchy_.default, _FLOATS, "median", "sigma"))  # fmt: skip
-    add("geometric_", "default", _in_place(("p", _REQUIRED)),
-        two("geometric", _aten.geometric_.default, every - {torch.bool}, "p"))  # fmt: skip
-    add("random_", "default", _in_place(), lambda b: _random(anything(b)))
-    add("random_", "from", _in_place(("from", _REQUIRED), ("to", _REQUIRED)),
-        lambda b: _random_from_to(anything(b), b["from"], b["to"]))  # fmt: skip
-    add("random_", "to", _in_place(("to", _REQUIRED)), lambda b: _random_from_to(anything(b), 0, b["to"]))
+    # each binds its arguments as its schema says (``ops.facts_of(op).signature``): names, defaults, keywords
+    add("uniform_", "default", lambda b: _uniform(floats(b), _number(b["from"]), _number(b["to"])))
+    add("normal_", "default", lambda b: _normal(floats(b), _number(b["mean"]), _number(b["std"])))
+    add("log_normal_", "default", lambda b: _log_normal(floats(b), _number(b["mean"]), _number(b["std"])))
+    add("bernoulli_", "float", two("bernoulli", _aten.bernoulli_.float, every, "p"))
+    add("exponential_", "default", two("exponential", _aten.exponential_.default, _FLOATS, "lambd"))
+    add("cauchy_", "default", two("cauchy", _aten.cauchy_.default, _FLOATS, "median", "sigma"))
+    add("geometric_", "default", two("geometric", _aten.geometric_.default, every - {torch.bool}, "p"))
+    add("random_", "default", lambda b: _random(anything(b)))
+    add("random_", "from", lambda b: _random_from_to(anything(b), b["from"], b["to"]))
+    add("random_", "to", lambda b: _random_from_to(anything(b), 0, b["to"]))
 
-    for generator, suffix in ((False, "default"), (True, "generator")):
-        size = ("size", _REQUIRED)
-        add("rand", suffix, _factory(size, generator=generator), lambda b: _uniform(made(b), 0.0, 1.0))
-        add("randn", suffix, _factory(size, generator=generator), lambda b: _normal(made(b), 0.0, 1.0))
-        add("rand_like", suffix, _like(generator=generator), lambda b: _uniform(_like_layout(b), 0.0, 1.0))
-        add("randn_like", suffix, _like(generator=generator), lambda b: _normal(_like_layout(b), 0.0, 1.0))
-    for generator, high, low in ((False, "default", "low"), (True, "generator", "low_generator")):
-        add("randint", high, _factory(("high", _REQUIRED), ("size", _REQUIRED), generator=generator, dtype=torch.int64),
-            lambda b: _random_from_to(made(b), 0, b["high"]))  # fmt: skip
-        add("randint", low, _factory(("low", _REQUIRED), ("high", _REQUIRED), ("size", _REQUIRED),
-                                     generator=generator, dtype=torch.int64),
-            lambda b: _random_from_to(made(b), b["low"], b["high"]))  # fmt: skip
-    for generator, high, low in ((False, "default", "low_dtype"), (True, "generator", "low_generator_dtype")):
-        add("randint_like", high, _like(("high", _REQUIRED), generator=generator),
-            lambda b: _random_from_to(_like_layout(b), 0, b["high"]))  # fmt: skip
-        add("randint_like", low, _like(("low", _REQUIRED), ("high", _REQUIRED), generator=generator),
-            lambda b: _random_from_to(_like_layout(b), b["low"], b["high"]))  # fmt: skip
-    normal_spec = _Spec((("mean", _REQUIRED), ("std", _REQUIRED), ("size", _REQUIRED)),
-                        (("generator", None), *_FACTORY_KEYWORDS))  # fmt: skip
-    add("normal", "float_float", normal_spec, lambda b: _normal(made(b), _number(b["mean"]), _number(b["std"])))
+    for suffix in ("default", "generator"):
+        add("rand", suffix, lambda b: _uniform(made(b), 0.0, 1.0))
+        add("randn", suffix, lambda b: _normal(made(b), 0.0, 1.0))
+        add("rand_like", suffix, lambda b: _uniform(_like_layout(b), 0.0, 1.0))
+        add("randn_like", suffix, lambda b: _normal(_like_layout(b), 0.0, 1.0))
+    for high, low in (("default", "low"), ("generator", "low_generator")):
+        add("randint", high, lambda b: _random_from_to(made(b), 0, b["high"]))
+        add("randint", low, lambda b: _random_from_to(made(b), b["low"], b["high"]))
+    for high, low in (("default", "low_dtype"), ("generator", "low_generator_dtype")):
+        add("randint_like", high, lambda b: _random_from_to(_like_layout(b), 0, b["high"]))
+        add("randint_like", low, lambda b: _random_from_to(_like_layout(b), b["low"], b["high"]))
+    add("normal", "float_float", lambda b: _normal(made(b), _number(b["mean"]), _number(b["std"])))
     return parsers
 
 
