@@ -8,7 +8,9 @@ Prints, as ratios against the flow without the ledger (target: at most 1.2x):
 * ``from_pretrained`` of Llamas saved in a temporary directory (safetensors): the same 300M one, and one of about
   80M, where the ledger's cost per operation (some tens of microseconds) weighs most against the copies;
 
-and the memory the ledger keeps for the first: intervals per storage, against the model's bytes (target: 1%).
+and the memory the ledger keeps for the first: intervals per storage, against the model's bytes (target: 1%). The
+first watch of a process costs some milliseconds more, once (printed): it looks at every imported module for
+loaders bound by name.
 Times are the process's CPU time (``time.process_time``: transformers loads in worker threads), on one torch thread.
 """
 
@@ -101,6 +103,10 @@ def main() -> None:
     big = llama(512, 8) if quick else llama(1024, 20)
     small = llama(384, 4) if quick else llama(640, 8)
     count = sum(p.numel() for p in LlamaForCausalLM._from_config(big).parameters()) if quick else 322_000_000
+    start = time.process_time()
+    with watch():  # the first watch of a process looks once at every module imported for loaders bound by name
+        pass
+    print(f"first watch of this process, empty: {1e3 * (time.process_time() - start):.1f} ms (later ones reuse it)")
     ratio(f"meta -> to_empty -> init_weights, Llama {count / 1e6:.0f}M", lambda: meta_init_flow(big), repeat)
     for config in (big, small):
         with tempfile.TemporaryDirectory() as directory:

@@ -211,7 +211,7 @@ static PyObject *read_value(PyObject *Py_UNUSED(module), PyObject *attribute) {
 
 /* dispatch_unless_compiling(frame_hook, raw, wrapped, *args, **kwargs): raw(*args, **kwargs) while no dynamo frame
  * hook is set (frame_hook() is None), else wrapped(*args, **kwargs). See Note [A dispatch entry dynamo cannot see] in
- * modattrs/_fake/mode.py: being C, this call starts no Python frame for dynamo to intercept before it decides. */
+ * modattrs/_compiled.py: being C, this call starts no Python frame for dynamo to intercept before it decides. */
 static PyObject *dispatch_unless_compiling(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
                                            PyObject *kwnames) {
     if (nargs < 3) {

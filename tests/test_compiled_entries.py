@@ -14,9 +14,13 @@ import pytest
 import torch
 
 from modattrs._compiled import speedups
+from modattrs._deferred.recorder import RecordingFakeTensorMode
 from modattrs._fake.mode import ModattrsFakeTensorMode
 from modattrs._fake.spoofed_cuda import IntDevicesAreCuda
+from modattrs._ledger.tracking import LedgerMode
+from modattrs.deferred import deferred_init, is_deferred, materialize_module
 from modattrs.fake import fake_mode, is_fake
+from modattrs.ledger import watch
 
 pytestmark = pytest.mark.skipif(speedups is None, reason="modattrs._speedups is not built in this install")
 
@@ -54,13 +58,38 @@ def test_the_dispatch_entry_passes_on_an_error_of_the_hook_and_calls_neither_met
     assert calls == []
 
 
-def test_the_fake_modes_dispatch_goes_through_torchs_dynamo_wrapper_exactly_when_torch_wraps_it() -> None:
-    entry = vars(ModattrsFakeTensorMode)["__torch_dispatch__"]
+def fake_mode_works() -> None:
+    with fake_mode():
+        assert is_fake(torch.ones(2) + 1)
+
+
+def recording_works() -> None:
+    deferred = deferred_init(torch.nn.Linear, 2, 2)
+    assert is_deferred(deferred)
+    assert not is_deferred(materialize_module(deferred))
+
+
+def ledger_works() -> None:
+    layer = torch.nn.Linear(2, 2, device="meta")
+    with watch() as ledger:
+        layer.to_empty(device="cpu")
+        torch.nn.init.zeros_(layer.weight)
+    assert [entry.status for entry in ledger.report(layer)] == ["initialized", "unwritten"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "works"),
+    [(ModattrsFakeTensorMode, fake_mode_works), (RecordingFakeTensorMode, recording_works), (LedgerMode, ledger_works)],
+    ids=["fake", "recording", "ledger"],
+)
+def test_each_dispatch_mode_goes_through_torchs_dynamo_wrapper_exactly_when_torch_wraps_it(
+    mode: type[torch.utils._python_dispatch.TorchDispatchMode], works: Callable[[], None]
+) -> None:
+    entry = vars(mode)["__torch_dispatch__"]
     # torch 2.13 and 2.15 wrap every dispatch mode subclass's method in a dynamo "disable"; 2.8 does not.
     torch_wraps = hasattr(torch.utils._python_dispatch.TorchDispatchMode, "_should_skip_dynamo")
     assert (type(entry).__name__ == "instancemethod") == torch_wraps
-    with fake_mode():
-        assert is_fake(torch.ones(2) + 1)
+    works()
 
 
 def same_position(mode: IntDevicesAreCuda, func: object, stand_in: object) -> None:

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 
+from modattrs._compiled import install_dispatch_entry
 from modattrs._deferred import rng
 from modattrs._deferred.ops import OpFacts, facts_of
 from modattrs._deferred.record import (
@@ -605,6 +606,9 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             tensor.is_conj(),
             tensor.is_neg(),
         )
+
+
+install_dispatch_entry(RecordingFakeTensorMode)  # Note [A dispatch entry dynamo cannot see] in modattrs/_compiled.py
 
 
 class ValueReads(TorchFunctionMode):

@@ -190,8 +190,6 @@ def _refuse_collectives(record: Record, kept: list[int], targets: Mapping[int, i
 _SENDING_ONE_RANKS_DATA = frozenset({torch.ops.c10d.scatter_.default, torch.ops.c10d.broadcast_.default})
 
 
-
-
 def _run(
     op: Op,
     env: dict[int, torch.Tensor],

@@ -37,13 +37,12 @@ import functools
 import math
 import pickle
 import threading
-import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, SupportsIndex
 
 import torch
 
-from modattrs._compiled import speedups
+from modattrs._compiled import install_dispatch_entry
 from modattrs._devices import as_device
 from modattrs._fake import cuda_guard, spoofed_cuda
 from modattrs._names import where
@@ -64,8 +63,6 @@ from modattrs._torch_private import (
     call_as_meta,
     clear_cached_data,
     contiguous_strides,
-    dispatch_as_written,
-    dynamo_frame_hook,
     fake_tensor_attributes,
     forget_constant_aliases,
     has_constant_aliases,
@@ -556,23 +553,7 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         return wrap_meta(self, meta, device, attributes)
 
 
-# Note [A dispatch entry dynamo cannot see]
-# torch wraps the __torch_dispatch__ of every dispatch mode class (2.13, 2.15; not 2.8) in a dynamo "disable", so
-# that dynamo, while it compiles or runs compiled code, does not trace the mode's Python code. Outside compiled code
-# the wrapper only sets and restores dynamo's frame hook, None both times, at 1.2 to 1.6 us per operation: 3% of a
-# fake build. The entry below is C: it calls the method as written while no frame hook is set, and torch's wrapper
-# otherwise. It has to be C, not Python: a Python entry would itself start a frame, which a set hook intercepts
-# before the entry could choose.
-def _install_dispatch_entry(speedups: types.ModuleType) -> None:
-    wrapped = vars(ModattrsFakeTensorMode)["__torch_dispatch__"]
-    written = dispatch_as_written(wrapped)
-    if written is not None:
-        entry = functools.partial(speedups.dispatch_unless_compiling, dynamo_frame_hook, written, wrapped)
-        ModattrsFakeTensorMode.__torch_dispatch__ = speedups.instance_method(entry)  # type: ignore[method-assign]
-
-
-if speedups is not None:  # else, installed without a C compiler: torch's wrapper stays
-    _install_dispatch_entry(speedups)
+install_dispatch_entry(ModattrsFakeTensorMode)  # Note [A dispatch entry dynamo cannot see] in modattrs/_compiled.py
 
 
 #: Devices and what torch's fake device normalization makes of them, where that cannot change.

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from modattrs._compiled import install_dispatch_entry
 from modattrs._ledger.intervals import byte_runs
 from modattrs._ledger.provenance import COMPUTED, INITIALIZED, LOADED, RECEIVED, Origin, Write, user_line
 from modattrs._ledger.sources import conversion_running, initializer_running
@@ -283,6 +284,9 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for tensor in targets:
                 self._write(tensor, label)
         return result
+
+
+install_dispatch_entry(LedgerMode)  # Note [A dispatch entry dynamo cannot see] in modattrs/_compiled.py
 
 
 def _all(value: object) -> list[torch.Tensor]:
