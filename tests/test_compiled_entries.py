@@ -1,7 +1,10 @@
-"""The C entries of fake mode (``modattrs/_speedups.c``): the fake mode's dispatch entry and the filter in front of
-the torch function mode that makes int devices CUDA devices choose as the Python they stand in front of would.
+"""The C entries of ``modattrs/_speedups.c``: the dispatch entry that fake mode, deferred init's recording mode and
+the write ledger's mode enter through (Note [A dispatch entry dynamo cannot see] in ``modattrs/_compiled.py``), and
+the filter in front of the torch function mode that makes int devices CUDA devices, choose as the Python they
+stand in front of would.
 
-Both only choose a path; what the paths do is tested with the features (``test_fake.py``, ``test_spoofed_cuda.py``).
+Both only choose a path; what the paths do is tested with the features (``test_fake.py``, ``test_spoofed_cuda.py``,
+``test_deferred.py``, ``test_ledger.py``).
 """
 
 from __future__ import annotations
