@@ -155,6 +155,25 @@ def test_a_tensor_read_through_a_safetensors_handle_is_loaded_under_its_name(tmp
     assert "'b'" in report["bias"].parts[0].what
 
 
+def test_tensors_read_in_a_pool_of_threads_are_loaded_whether_copied_or_assigned(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    safetensors.torch.save_file({"w": torch.randn(8, 4), "b": torch.randn(8)}, str(tmp_path / "m.safetensors"))
+    layer = meta_linear()
+    with watch() as ledger:
+        layer.to_empty(device="cpu")
+        checkpoint = safetensors.safe_open(str(tmp_path / "m.safetensors"), framework="pt")
+        with checkpoint as handle, ThreadPoolExecutor(max_workers=2) as pool:  # as transformers reads checkpoints
+            weight, bias = pool.map(lambda name: handle.get_slice(name)[...], ["w", "b"])
+        with torch.no_grad():
+            layer.weight.copy_(weight)  # the copy is the first operation after the reads
+        layer.bias = nn.Parameter(bias)  # no operation: the report is the first to look
+    report = ledger.report(layer)
+    assert (report["weight"].status, report["bias"].status) == ("loaded", "loaded")
+    assert "'w'" in report["weight"].parts[0].what
+    assert "'b'" in report["bias"].parts[0].what
+
+
 def test_initializing_loaded_bytes_again_is_reported_as_overwritten_after_loading() -> None:
     layer = meta_linear()
     with watch() as ledger:

@@ -8,14 +8,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from modattrs import ShapedTensor, VirtualTensor
 from modattrs.deferred import deferred_init, materialize_module
@@ -102,13 +100,8 @@ def test_a_tie_made_again_after_to_empty_or_never_broken_is_not_flagged(flow: Ca
     assert report["head.weight"].tied_to == "embed.weight"
 
 
-@contextlib.contextmanager
-def fake_world(size: int, rank: int) -> Iterator[None]:
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+def fake_world(size: int, rank: int) -> contextlib.AbstractContextManager[object]:
+    return ranks.fake_world((size,), rank)
 
 
 def test_buffers_left_out_of_a_rank_0_broadcast_are_flagged_on_the_other_ranks() -> None:
@@ -260,3 +253,20 @@ def test_the_incident_checkpoint_is_made_outside_the_ledger_s_sight_of_the_flow(
     state = incidents.checkpoint()
     assert set(state) == {"embed.weight", "proj.weight", "proj.bias", "head.weight"}
     assert torch.equal(state["proj.bias"], incidents.checkpoint()["proj.bias"])
+
+
+def test_a_functional_collective_receives_what_it_returns_and_leaves_its_input_as_it_was() -> None:
+    from torch.distributed.tensor import DTensor, Shard
+
+    with ranks.fake_world((2,), 1) as mesh:
+
+        def gathered() -> nn.Module:  # DTensor gathers with torch's functional collectives
+            module = nn.Module()
+            module.register_buffer("shard", torch.zeros(4))
+            module.register_buffer("whole", DTensor.from_local(module.shard, mesh, [Shard(0)]).full_tensor())
+            return module
+
+        report = audited(gathered)
+    assert report["shard"].status == "initialized"
+    assert report["whole"].status == "received"
+    assert "all_gather_into_tensor" in report["whole"].parts[0].what

@@ -241,6 +241,7 @@ def _identity(tensor: torch.Tensor) -> tuple[Any, ...] | None:
 
 
 def report_of(session: Session, module: nn.Module) -> Report:
+    session.label_reads()
     report = Report()
     first_names: dict[tuple[Any, ...] | None, str] = {}
     identities: dict[str, tuple[Any, ...] | None] = {}

@@ -3,6 +3,7 @@ modules it saw converted."""
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from collections.abc import Sequence
@@ -70,12 +71,24 @@ def _rank_of(group: object) -> int | None:
         return None
 
 
+# Note [Checkpoint reads labelled in the watching thread]
+# transformers reads a checkpoint's tensors in a pool of threads. Labelling each read where it happens (finding its
+# storage's record, its byte runs, an interval) is Python run in those threads, and they contend for the GIL with
+# the thread that watches: measured on from_pretrained of a 322M Llama, that cost the workers about twice their own
+# labelling work and the watching thread some more. A read only queues its tensor (one append, safe from any
+# thread); the watching thread labels what is queued before its next operation is labelled, when the watch ends and
+# before a report. A queued tensor is held until then, so its storage cannot die and be reborn at its address; the
+# thread that hands a read tensor to the watching thread (a future's result, a queue) queued it first, so no
+# operation of the watching thread can read it unlabelled.
+
+
 class Session:
     """What one watch keeps; a sink of the scoped wraps (Note [Scoped wraps of a watch])."""
 
     def __init__(self) -> None:
         self.table = StorageTable()
-        self.mode = LedgerMode(self.table, _rank_of)
+        self._reads: collections.deque[tuple[torch.Tensor, str, str, Where | None]] = collections.deque()
+        self.mode = LedgerMode(self.table, _rank_of, self._reads, self.label_reads)
         self.ties: list[TiesBefore] = []
         self._lock = threading.Lock()
         self.active = False
@@ -97,6 +110,7 @@ class Session:
     def stop(self) -> None:
         try:
             self.mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            self.label_reads()
         finally:
             stop_listening_for_writes(self.written_unseen)
             self.active = False
@@ -107,6 +121,7 @@ class Session:
         """``operation`` wrote all of ``tensors`` below every dispatch mode (materialize_module's replay: see Note
         [Writes no dispatch mode sees] in ``modattrs._module_tensors``): initialized by it, at the user's line."""
         label = Write(INITIALIZED, operation, user_line())
+        self.label_reads()  # read before these writes
         with self._lock:
             for tensor in tensors:
                 local = local_data(tensor)
@@ -114,24 +129,34 @@ class Session:
                     self.table.write(local, byte_runs(local), label)
 
     def loaded(self, tensor: torch.Tensor, key: str, op: str, where: Where | None) -> None:
+        """``tensor`` was read from a checkpoint under ``key``, in any thread: queued (Note [Checkpoint reads
+        labelled in the watching thread])."""
+        self._reads.append((tensor, key, op, where))
+
+    def label_reads(self) -> None:
+        """Label the checkpoint reads queued so far as loaded."""
+        with self._lock:
+            while self._reads:
+                self._label_read(*self._reads.popleft())
+
+    def _label_read(self, tensor: torch.Tensor, key: str, op: str, where: Where | None) -> None:
         local = local_data(tensor)
         if local is None:
             return
         label = Write(LOADED, op, where, keys=(key,))
-        with self._lock:
-            storage = local.untyped_storage()
-            record = self.table.record_of(storage)
-            runs = byte_runs(local)
-            if record is None:  # most often: a tensor the loader just made
-                record = self.table.allocate(storage, None, None)
-            if record.allocated is None:
-                for start, end in runs:
-                    record.writes.assign(start, end, label)
-                return
-            # bytes nothing wrote stay unwritten: a checkpoint made of garbage is garbage
-            for piece in list(self.table.pieces(local, runs)):
-                if piece.write is not None:
-                    record.writes.assign(piece.start, piece.end, label)
+        storage = local.untyped_storage()
+        record = self.table.record_of(storage)
+        runs = byte_runs(local)
+        if record is None:  # most often: a tensor the loader just made
+            record = self.table.allocate(storage, None, None)
+        if record.allocated is None:
+            for start, end in runs:
+                record.writes.assign(start, end, label)
+            return
+        # bytes nothing wrote stay unwritten: a checkpoint made of garbage is garbage
+        for piece in list(self.table.pieces(local, runs)):
+            if piece.write is not None:
+                record.writes.assign(piece.start, piece.end, label)
 
     def converting(self, module: nn.Module, op: str, where: Where | None) -> None:
         groups = tie_groups(module)

@@ -121,10 +121,17 @@ def initializer_running() -> list[Any] | None:
     return running
 
 
+def _holds_no_data(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an initializer's tensor is a meta tensor: nothing to label (Note [Labels only for bytes that exist]
+    in ``tracking.py``)."""
+    tensor = args[0] if args else kwargs.get("tensor")
+    return isinstance(tensor, torch.Tensor) and tensor.is_meta
+
+
 def _wrap_initializer(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def initializer(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_initializing, "running", None) is not None or not _sinks:
+        if getattr(_initializing, "running", None) is not None or not _sinks or _holds_no_data(args, kwargs):
             return original(*args, **kwargs)
         _initializing.running = [f"nn.init.{original.__name__}", user_line(), None]
         try:

@@ -8,16 +8,24 @@ no written argument and no aliasing result makes new storages: unwritten for ``e
 factories (``zeros``, ``arange``, ``randn``, ``*_like`` and ``new_*`` of a tensor, which read its metadata only),
 and computed from what it reads otherwise (Note [Provenance of a write]). c10d's collectives write their first
 argument without saying so in their schemas (``broadcast_`` on a rank other than the source, ``scatter_``...), and
-the functional collectives return what they receive.
+the functional collectives return what they receive (``wait_tensor`` only hands it over).
 
 A tensor subclass (DTensor, FSDP2's sharded parameters) runs its own operations on its local tensors below this
 mode, unseen: an operation on a DTensor is taken as the same operation on its local tensor.
+
+Note [Labels only for bytes that exist]
+Most operations of a model built on the meta device touch no data (``from_pretrained`` builds its model so: two
+thirds of the operations it runs are factories, initializers and detaches of meta tensors). The mode works out a
+label only for an operation that wrote or made a tensor holding data, after the operation ran: running it changes
+no label (only this mode labels, and the operation runs below it), so a label worked out after it is the one worked
+out before. The initializers of ``torch.nn.init`` called on a meta tensor do not announce themselves either
+(``sources.py``).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +80,8 @@ class _Plan:
     written: tuple[tuple[int, str], ...]  # the arguments it writes
     read: tuple[tuple[int, str], ...]  # the arguments whose bytes its values come from
     reads_written: bool  # whether it reads what it writes (add_ does, fill_ and out= do not)
-    collective: bool
+    c10d: bool  # a collective of c10d, writing its first argument (Note [What an aten operation writes])
+    receives: bool  # a functional collective: its results hold what other ranks sent
     allocates_empty: bool  # makes storages without values (empty, empty_like...)
 
 
@@ -80,17 +89,19 @@ class _Plan:
 def _plan(func: OpOverload) -> _Plan:
     name = func.__name__.split(".")[0]
     if func.namespace == "c10d":
-        return _Plan(name, name not in _RECEIVING, ((0, "tensors"),), (), False, True, False)
+        return _Plan(name, name not in _RECEIVING, ((0, "tensors"),), (), False, True, False, False)
     written = written_arguments(func)
     metadata_only = torch.Tag.inplace_view in func.tags and name != "resize_"
-    skip = metadata_only or (not written and returns_aliases(func))
+    # wait_tensor returns the tensor a functional collective made, once it holds what was received: labelled then
+    waits = func.namespace == "_c10d_functional" and name == "wait_tensor"
+    skip = metadata_only or waits or (not written and returns_aliases(func))
     reads_written = name not in _OVERWRITING and all(argument == "self" for _, argument in written)
     if (name in _OVERWRITING and name != "copy_") or name.endswith("_like") or name.startswith("new_"):
         read: tuple[tuple[int, str], ...] = ()  # a fill reads nothing; ``*_like`` and ``new_*`` only metadata
     else:
         read = tuple(argument for argument in tensor_arguments(func) if reads_written or argument not in written)
-    collective = func.namespace == "_c10d_functional"
-    return _Plan(name, skip, written, read, reads_written, collective, name in _EMPTY)
+    receives = func.namespace == "_c10d_functional"
+    return _Plan(name, skip, written, read, reads_written, False, receives, name in _EMPTY)
 
 
 def _flatten(value: object, into: list[torch.Tensor]) -> None:
@@ -120,10 +131,20 @@ def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: s
 class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Labels the bytes every operation writes in ``table``, and notes the storages it allocates."""
 
-    def __init__(self, table: StorageTable, rank_of: Callable[[object], int | None]) -> None:
+    def __init__(
+        self,
+        table: StorageTable,
+        rank_of: Callable[[object], int | None],
+        queued_reads: Sized,
+        label_reads: Callable[[], None],
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.table = table
         self._rank_of = rank_of  # the rank of this process in a c10d process group argument
+        # checkpoint reads queued by any thread, labelled before an operation is (Note [Checkpoint reads labelled in
+        # the watching thread] in session.py)
+        self._queued_reads = queued_reads
+        self._label_reads = label_reads
         dtensor = imported_dtensor_type()
         self._dtensor: type[torch.Tensor] | None = dtensor
 
@@ -136,30 +157,44 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if plan.name == "lift_fresh":  # torch.tensor(data), torch.as_tensor: the data is a constant of the code
                 self._constant(args[0])
             return func(*args, **kwargs)
+        if self._queued_reads:
+            self._label_reads()
         if self._dtensor is None:
             self._dtensor = imported_dtensor_type()
-        if plan.collective:
+        if plan.c10d:
             return self._collective(func, plan, args, kwargs)
         written: list[torch.Tensor] = []
         for index, name in plan.written:
             _flatten(_argument(args, kwargs, index, name), written)
+        grown = [(tensor, tensor.untyped_storage().nbytes()) for tensor in written] if plan.name == "resize_" else []
+        result = func(*args, **kwargs)
+        # Labels are worked out after the operation ran, and only for tensors holding data: running it changes no
+        # label (only this mode writes labels, and the operation runs below it), and most operations of a model
+        # built on the meta device hold none (Note [Labels only for bytes that exist]).
+        if written:
+            targets = [local for tensor in written if (local := self._local(tensor)) is not None]
+            if not targets or plan.allocates_empty:  # empty.out: the output keeps what it held
+                return result
+            written_label = self._label(plan, self._reads(plan, args, kwargs), written)
+            for local in targets:
+                self._write(local, written_label)
+            for tensor, before in grown:
+                self._grow(tensor, before)
+            return result
+        outputs: list[torch.Tensor] = []
+        _flatten(result, outputs)
+        made = [local for output in outputs if (local := self._local(output)) is not None]
+        if made:
+            made_label = None if plan.allocates_empty else self._label(plan, self._reads(plan, args, kwargs), [])
+            self._outputs(plan, made, made_label)
+        return result
+
+    @staticmethod
+    def _reads(plan: _Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         reads: list[torch.Tensor] = []
         for index, name in plan.read:
             _flatten(_argument(args, kwargs, index, name), reads)
-        self_only = bool(written) and plan.reads_written and all(any(r is w for w in written) for r in reads)
-        label = None if plan.allocates_empty else self._label(plan, reads, self_only)
-        grown = [(tensor, tensor.untyped_storage().nbytes()) for tensor in written] if plan.name == "resize_" else []
-        result = func(*args, **kwargs)
-        if written:
-            if label is None:  # empty.out: the output keeps what it held
-                return result
-            for tensor in written:
-                self._write(tensor, label)
-            for tensor, before in grown:
-                self._grow(tensor, before)
-        else:
-            self._outputs(plan, result, label)
-        return result
+        return reads
 
     # --- labels ------------------------------------------------------------------------------------------------------
 
@@ -175,9 +210,10 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return None
         return tensor
 
-    def _label(self, plan: _Plan, reads: list[torch.Tensor], self_only: bool = False) -> Write:
-        """The label of what ``func`` writes, from the labels of the bytes it reads (Note [Provenance of a write]):
-        ``self_only`` when it reads only what it writes (``mul_`` by a number)."""
+    def _label(self, plan: _Plan, reads: list[torch.Tensor], written: list[torch.Tensor]) -> Write:
+        """The label of what an operation writes, from the labels of the bytes it reads (Note [Provenance of a
+        write]); a rescaling in place (``mul_`` by a number: reads only what it writes) keeps the label it had."""
+        self_only = bool(written) and plan.reads_written and all(any(r is w for w in written) for r in reads)
         found: dict[int, Write] = {}
         kinds: set[str] = set()
         tainted: Origin | None = None
@@ -218,10 +254,8 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return Write(next(iter(kinds)), plan.name, user_line(), keys=keys)
         return Write(COMPUTED, plan.name, user_line())
 
-    def _write(self, tensor: torch.Tensor, label: Write) -> None:
-        local = self._local(tensor)
-        if local is None:
-            return
+    def _write(self, local: torch.Tensor, label: Write) -> None:
+        """Label the bytes of ``local``, a tensor holding data (see ``_local``)."""
         runs = byte_runs(local)
         if label.kind not in (LOADED, RECEIVED):
             for piece in self.table.pieces(local, runs):
@@ -245,21 +279,16 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             else:
                 fresh.writes.assign(0, before, Write(COMPUTED, "resize_ (bytes kept)", None))
 
-    def _outputs(self, plan: _Plan, result: Any, label: Write | None) -> None:
-        """Note the storages an operation without written arguments made: its results, new storages whenever its
-        schema says they alias nothing (Note [What an aten operation writes])."""
-        outputs: list[torch.Tensor] = []
-        _flatten(result, outputs)
-        for output in outputs:
-            local = self._local(output)
-            if local is None:
-                continue
+    def _outputs(self, plan: _Plan, made: list[torch.Tensor], label: Write | None) -> None:
+        """Note the storages an operation without written arguments made: its results holding data, new storages
+        whenever its schema says they alias nothing (Note [What an aten operation writes])."""
+        for local in made:
             storage = local.untyped_storage()
             if label is None:
                 converting = conversion_running()
                 op = plan.name if converting is None else f"{plan.name} in {converting}"
                 self.table.allocate(storage, Origin(op, user_line()), None)
-            elif plan.collective:
+            elif plan.receives:
                 self.table.allocate(storage, None, Write(RECEIVED, plan.name, user_line()))
             else:
                 self.table.allocate(storage, None, label)
@@ -278,11 +307,13 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if plan.name in ("broadcast_", "scatter_"):
             group, root = (args[1], args[2]) if plan.name != "scatter_" else (args[2], args[3])
             if self._rank_of(group) == root:
-                label = None if plan.name != "scatter_" else self._label(plan, _all(args[1]))
+                label = None if plan.name != "scatter_" else self._label(plan, _all(args[1]), [])
         result = func(*args, **kwargs)
         if label is not None:
             for tensor in targets:
-                self._write(tensor, label)
+                local = self._local(tensor)
+                if local is not None:
+                    self._write(local, label)
         return result
 
 
