@@ -8,7 +8,9 @@ Prints, as ratios against the flow without the ledger (target: at most 1.2x):
 * ``from_pretrained`` of Llamas saved in a temporary directory (safetensors): the same 300M one, and one of about
   80M, where the ledger's cost per operation (some tens of microseconds) weighs most against the copies;
 
-and the memory the ledger keeps for the first: intervals per storage, against the model's bytes (target: 1%). The
+and, beside each load, what a dispatch mode that only runs each operation costs it: the floor of any ledger that
+watches operations from Python (torch's own price of entering Python for each). Then the memory the ledger keeps
+for the first: intervals per storage, against the model's bytes (target: 1%). The
 first watch of a process costs some milliseconds more, once (printed): it looks at every imported module for
 loaders bound by name.
 Times are the process's CPU time (``time.process_time``: transformers loads in worker threads), on one torch thread,
@@ -19,18 +21,22 @@ each for ``from_pretrained`` (about 0.15 s each, and on a shared machine runs of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging
 
-from modattrs.ledger import Ledger, watch
+from modattrs._compiled import install_dispatch_entry
+from modattrs._torch_private import TorchDispatchMode
+from modattrs.ledger import watch
 
 
 def llama(hidden: int, layers: int, vocab: int = 32000) -> LlamaConfig:
@@ -52,32 +58,44 @@ def meta_init_flow(config: LlamaConfig) -> torch.nn.Module:
     return model
 
 
-def seconds(flow: Callable[[], torch.nn.Module], ledger: bool) -> tuple[float, torch.nn.Module, Ledger | None]:
+class PassThrough(TorchDispatchMode):
+    """A dispatch mode that only runs each operation: what any Python dispatch mode costs a flow, the ledger's floor."""
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+install_dispatch_entry(PassThrough)  # entered as the ledger's mode is
+
+
+def seconds(flow: Callable[[], torch.nn.Module], around: Callable[[], contextlib.AbstractContextManager[Any]]) -> float:
     gc.collect()
     start = time.process_time()
-    if ledger:
-        with watch() as watching:
-            model = flow()
-        return time.process_time() - start, model, watching
-    model = flow()
-    return time.process_time() - start, model, None
+    with around():
+        flow()
+    return time.process_time() - start
 
 
-def ratio(label: str, flow: Callable[[], torch.nn.Module], repeat: int) -> Ledger | None:
-    without, within = [], []
-    last: Ledger | None = None
+def ratio(label: str, flow: Callable[[], torch.nn.Module], repeat: int, floor: bool = False) -> None:
+    """Print the median of ``repeat`` runs of ``flow`` under the ledger against as many without it, alternating (and
+    as many under ``PassThrough`` if ``floor``)."""
+    arounds: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
+        "without": contextlib.nullcontext,
+        "ledger": watch,
+    }
+    if floor:
+        arounds["floor"] = PassThrough
+    taken: dict[str, list[float]] = {name: [] for name in arounds}
     for _ in range(repeat):
-        taken, model, _ = seconds(flow, ledger=False)
-        without.append(taken)
-        del model
-        taken, model, last = seconds(flow, ledger=True)
-        within.append(taken)
-        del model
-    plain, watched = statistics.median(without), statistics.median(within)
+        for name, around in arounds.items():
+            taken[name].append(seconds(flow, around))
+    plain, watched = statistics.median(taken["without"]), statistics.median(taken["ledger"])
     verdict = "within target" if watched / plain <= 1.2 else "ABOVE target 1.2x"
     runs = f"median of {repeat}" if repeat > 1 else "one run"
-    print(f"{label:<50} {watched:7.3f} s vs {plain:7.3f} s = {watched / plain:5.2f}x  {verdict} ({runs})")
-    return last
+    beside = f"; any dispatch mode: {statistics.median(taken['floor']) / plain:.2f}x" if floor else ""
+    print(f"{label:<50} {watched:7.3f} s vs {plain:7.3f} s = {watched / plain:5.2f}x  {verdict} ({runs}{beside})")
 
 
 def ledger_memory(config: LlamaConfig) -> None:
@@ -120,6 +138,7 @@ def main() -> None:
                 f"from_pretrained of a saved Llama {saved / 1e6:.0f}M",
                 lambda directory=directory: LlamaForCausalLM.from_pretrained(directory),  # type: ignore[misc]
                 loads,
+                floor=True,
             )
     ledger_memory(big)
 
