@@ -4,7 +4,8 @@ Importing modattrs changes nothing. The first use of fake mode or deferred initi
 ``fake_copy``, ``deferred_init``) calls :func:`install`, which makes the *base* changes, all of them, in the order
 of its body, whichever feature came first; the first ``deferred_init`` calls :func:`install_deferred`, which makes
 them and then the generator change that only deferred initialization needs (and, in a process that imported
-``torch.distributed.tensor``, the change to DTensor's scatter and broadcast); the first use of fake CUDA calls
+``torch.distributed.tensor``, the change to DTensor's scatter and broadcast); the base changes are followed, once
+FSDP2 is imported, by the change to how it cuts fake tensors into chunks; the first use of fake CUDA calls
 :func:`install_fake_cuda`, which makes the base changes and then the fake CUDA ones (fewer on a machine with a
 GPU). Each group is made after the base one and touches nothing another group touches, so a process ends in the
 same state whatever order its features were first used in. The engines (``_fake``, ``_deferred``) change nothing
@@ -21,13 +22,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import sys
 import threading
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, cast, overload
 
 import torch
 
@@ -44,6 +46,8 @@ from modattrs._torch_private import (
     DTENSOR_SCATTER,
     ENGINE_ENTRY,
     ENGINE_ENTRY_OWNERS,
+    FSDP_CHUNKS,
+    FSDP_PARAM_MODULE,
     TRUNC_NORMAL_HELPER,
     TRUNC_NORMAL_WARNINGS,
     FakeTensor,
@@ -73,17 +77,23 @@ _lock = threading.RLock()
 _base = False  # install() done
 _deferred_installed = False  # install_deferred() done
 _dtensor_installed = False  # change 14 made
+_fsdp_installed = False  # change 15 made
 _fake_cuda_installed = False
 _replaced: list[_Replaced] = []  # in the order made
 _filters: list[Any] = []  # the entries added to warnings.filters
 
 
 def install() -> None:
-    """Make the base changes (1, 2, 3, 5, 9 to 13), once; every ``fake_mode`` entry and ``deferred_init`` call comes
-    here."""
+    """Make the base changes (1, 2, 3, 5, 9 to 13), once, then change 15 once FSDP2 is imported; every ``fake_mode``
+    entry and ``deferred_init`` call comes here."""
+    if not _base:  # no lock once done
+        _install_base()
+    if not _fsdp_installed and FSDP_PARAM_MODULE in sys.modules:
+        _install_fsdp_chunks()
+
+
+def _install_base() -> None:
     global _base
-    if _base:  # no lock once done
-        return
     with _lock:
         if _base:
             return
@@ -199,6 +209,23 @@ def _install_dtensor_sources() -> None:
         _dtensor_installed = True
 
 
+def _install_fsdp_chunks() -> None:
+    """Change 15, once FSDP2 is imported (modattrs never imports it)."""
+    global _fsdp_installed
+    with _lock:
+        if _fsdp_installed:
+            return
+        # 15. fully_shard cuts each parameter into as many chunks as ranks and reads two of them (the rank's and the
+        #     first, always the longest). A fake tensor of modattrs' modes makes each chunk in Python (its fake
+        #     tensor, its record, the device torch's C++ asks of each view): at 64 ranks, nine tenths of what
+        #     fully_shard of a deferred model cost. For such a tensor the chunks are made when read, each the view
+        #     torch.chunk makes (narrow of the same range); every other tensor gets torch's list.
+        module = sys.modules[FSDP_PARAM_MODULE]
+        if callable(getattr(module, FSDP_CHUNKS, None)):
+            _replace(module, FSDP_CHUNKS, _chunks_read_on_demand)
+        _fsdp_installed = True
+
+
 def install_fake_cuda() -> None:
     """Make fake CUDA tensors possible, after the base changes; on a machine with a GPU, only change 8.
 
@@ -244,7 +271,7 @@ def undo() -> None:
     initialization for the bindings of a CUDA build without a GPU: fake CUDA keeps working after
     ``install_fake_cuda``, with torch's autograd engine.
     """
-    global _base, _deferred_installed, _fake_cuda_installed, _dtensor_installed
+    global _base, _deferred_installed, _fake_cuda_installed, _dtensor_installed, _fsdp_installed
     with _lock:
         while _replaced:
             replaced = _replaced.pop()
@@ -258,7 +285,7 @@ def undo() -> None:
         mutated = getattr(warnings, "_filters_mutated", None)  # private: makes warnings read its filters again
         if mutated is not None:
             mutated()
-        _base = _deferred_installed = _fake_cuda_installed = _dtensor_installed = False
+        _base = _deferred_installed = _fake_cuda_installed = _dtensor_installed = _fsdp_installed = False
 
 
 def _replace(owner: object, name: str, wrap: Wrap) -> None:
@@ -474,6 +501,63 @@ def _names_cuda(positional: tuple[Any, ...], device: object) -> bool:
         if isinstance(value, int) and not isinstance(value, bool):
             return True
     return False
+
+
+class _ChunksOnDemand(Sequence[torch.Tensor]):
+    """``torch.chunk(tensor, count, dim)``'s chunks, padded with empty tensors to ``count`` as FSDP2 pads them, each
+    made when first read, as the same view (``narrow`` of the same range)."""
+
+    def __init__(self, tensor: torch.Tensor, count: int, dim: int) -> None:
+        size = tensor.size(dim)
+        self._tensor, self._count, self._dim, self._size = tensor, count, dim, size
+        self._step = -(-size // count)  # torch.chunk's: the ceiling
+        self._nonempty = -(-size // self._step)  # fewer than count where count does not divide size finely
+        self._made: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[torch.Tensor]: ...
+
+    def __getitem__(self, index: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        if isinstance(index, slice):
+            return [self[position] for position in range(*index.indices(self._count))]
+        position = operator.index(index)
+        if position < 0:
+            position += self._count
+        if not 0 <= position < self._count:
+            raise IndexError(f"chunk index {index} out of range for {self._count} chunks")
+        chunk = self._made.get(position)
+        if chunk is None:
+            if position < self._nonempty:
+                start = position * self._step
+                chunk = self._tensor.narrow(self._dim, start, min(self._step, self._size - start))
+            else:
+                chunk = self[0].new_empty(0)
+            self._made[position] = chunk
+        return chunk
+
+
+def _chunks_read_on_demand(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _chunk_with_empty(tensor: Any, num_chunks: Any, dim: Any) -> Any:  # FSDP2 calls it so
+        if (
+            type(tensor) is FakeTensor
+            and isinstance(tensor.fake_mode, ModattrsFakeTensorMode)
+            and type(num_chunks) is int
+            and num_chunks > 0
+            and type(dim) is int
+            and tensor.dim() > 0
+            and tensor.size(dim) > 0
+        ):
+            return _ChunksOnDemand(tensor, num_chunks, dim)
+        return original(tensor, num_chunks, dim)
+
+    return _chunk_with_empty
 
 
 def _own_chunk_scattered(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -695,6 +695,13 @@ DTENSOR_PLACEMENTS = "torch.distributed.tensor.placement_types"
 DTENSOR_SCATTER = "mesh_scatter"
 DTENSOR_BROADCAST = "mesh_broadcast"
 
+#: FSDP2 cuts each parameter into as many chunks as ranks with ``_chunk_with_empty(tensor, num_chunks, dim)``
+#: (``list(torch.chunk(...))``, padded with empty tensors to ``num_chunks``), imported by name into the module below
+#: and looked up in its namespace at each call; ``FSDPParam`` reads the rank's chunk and the first. Checked on 2.8,
+#: 2.13 and 2.14.
+FSDP_PARAM_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param"
+FSDP_CHUNKS = "_chunk_with_empty"
+
 
 def dtensor_local(tensor: torch.Tensor) -> torch.Tensor:
     """The local tensor a DTensor holds: ``DTensor.to_local()`` returns another tensor object each time, and

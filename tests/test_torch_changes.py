@@ -165,6 +165,7 @@ def run(order: tuple[str, ...], *extra: str) -> list[dict[str, Any]]:
 
 
 DTENSOR_HELPERS = {f"torch.distributed.tensor.placement_types.{name}" for name in ("mesh_scatter", "mesh_broadcast")}
+FSDP_CHUNKS = {"torch.distributed.fsdp._fully_shard._fsdp_param._chunk_with_empty"}
 
 
 def test_every_order_of_first_use_leaves_torch_in_one_state_and_every_feature_working() -> None:
@@ -198,9 +199,11 @@ def test_every_order_of_first_use_leaves_torch_in_one_state_and_every_feature_wo
             expected |= {"torch.autograd._engine_run_backward", "torch.autograd.graph._engine_run_backward"}
         if cuda_guard.attention_needs_the_driver():  # torch 2.8's CUDA build without a GPU
             expected.add("torch.nn.functional.scaled_dot_product_attention")
-    # Change 13 where torch.distributed.tensor is imported (torch._dynamo, which change 1 imports, imports it here).
-    assert set(installed["functions"]) - DTENSOR_HELPERS == expected
+    # Changes 14 and 15 where torch.distributed.tensor and FSDP2 are imported (torch._dynamo, which change 1 imports,
+    # imports both here).
+    assert set(installed["functions"]) - DTENSOR_HELPERS - FSDP_CHUNKS == expected
     assert set(installed["functions"]) & DTENSOR_HELPERS in (set(), DTENSOR_HELPERS)
+    assert set(installed["functions"]) & FSDP_CHUNKS in (set(), FSDP_CHUNKS)
     assert installed["silenced"] == ["Accessing the data pointer of FakeTensor"]
 
 
@@ -224,6 +227,6 @@ def test_a_process_that_only_uses_fake_mode_keeps_torchs_generator_functions() -
     (fake_then_deferred,) = run(("fake", "deferred"))
     added = set(fake_then_deferred["functions"]) - set(fake_only["functions"])
     assert added - DTENSOR_HELPERS == GENERATOR_FUNCTIONS
-    # Change 13 where torch.distributed.tensor is imported (torch._dynamo, which change 1 imports, imports it here):
+    # Change 14 where torch.distributed.tensor is imported (torch._dynamo, which change 1 imports, imports it here):
     # both of DTensor's helpers or neither.
     assert added & DTENSOR_HELPERS in (set(), DTENSOR_HELPERS)

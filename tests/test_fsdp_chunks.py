@@ -1,0 +1,67 @@
+"""How FSDP2 cuts a fake tensor of modattrs' modes into chunks (change 15 of docs/torch_changes.rst): the chunks
+torch's own cut gives, each made when read."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+from modattrs.fake import fake_mode
+
+
+def layout(tensor: torch.Tensor) -> tuple[object, ...]:
+    return tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), tensor.dtype
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 70),
+    columns=st.integers(1, 3),
+    count=st.integers(1, 80),
+    dim=st.integers(0, 1),
+    reads=st.lists(st.integers(-80, 79), max_size=6),
+)
+def test_fsdp2s_chunks_of_a_fake_tensor_are_torchs_chunks_in_number_and_layout(
+    rows: int, columns: int, count: int, dim: int, reads: list[int]
+) -> None:
+    with fake_mode():
+        fake = torch.empty(rows, columns)
+        chunks = _fsdp_param._chunk_with_empty(fake, count, dim)
+    expected = _fsdp_param._chunk_with_empty.__wrapped__(torch.empty(rows, columns, device="meta"), count, dim)
+    assert len(chunks) == len(expected) == count
+    for index in [*reads, *range(count)]:  # in any order, read again, negative indices as a list takes them
+        if -count <= index < count:
+            assert layout(chunks[index]) == layout(expected[index])
+            assert chunks[index] is chunks[index]
+    assert [layout(chunk) for chunk in chunks[1::2]] == [layout(chunk) for chunk in expected[1::2]]
+
+
+def test_a_chunk_of_a_fake_tensor_is_a_fake_view_of_it() -> None:
+    with fake_mode():
+        fake = torch.empty(10, 4)
+        chunks = _fsdp_param._chunk_with_empty(fake, 4, 0)
+        chunks[1].fill_(1.0)
+    assert chunks[1]._base is fake
+    assert chunks[1].fake_mode is fake.fake_mode  # type: ignore[attr-defined]
+
+
+def test_an_index_past_the_last_chunk_raises_as_a_list_does() -> None:
+    with fake_mode():
+        chunks = _fsdp_param._chunk_with_empty(torch.empty(10, 4), 4, 0)
+    for index in (4, -5):
+        try:
+            chunks[index]
+        except IndexError:
+            continue
+        raise AssertionError(f"chunks[{index}] of 4 chunks did not raise IndexError")
+
+
+def test_real_and_meta_tensors_get_torchs_list() -> None:
+    with fake_mode():
+        pass  # the changes are made
+    for tensor in (torch.zeros(10, 4), torch.empty(10, 4, device="meta")):
+        chunks = _fsdp_param._chunk_with_empty(tensor, 4, 0)
+        assert type(chunks) is list
+        assert [layout(chunk) for chunk in chunks] == [layout(chunk) for chunk in torch.chunk(tensor, 4)]
