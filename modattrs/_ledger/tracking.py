@@ -143,8 +143,8 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._rank_of = rank_of  # the rank of this process in a c10d process group argument
         # checkpoint reads queued by any thread, labelled before an operation is (Note [Checkpoint reads labelled in
         # the watching thread] in session.py)
-        self._queued_reads = queued_reads
-        self._label_reads = label_reads
+        self._queued_checkpoint_reads = queued_reads
+        self._label_checkpoint_reads = label_reads
         dtensor = imported_dtensor_type()
         self._dtensor: type[torch.Tensor] | None = dtensor
 
@@ -157,8 +157,8 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if plan.name == "lift_fresh":  # torch.tensor(data), torch.as_tensor: the data is a constant of the code
                 self._constant(args[0])
             return func(*args, **kwargs)
-        if self._queued_reads:
-            self._label_reads()
+        if self._queued_checkpoint_reads:
+            self._label_checkpoint_reads()
         if self._dtensor is None:
             self._dtensor = imported_dtensor_type()
         if plan.c10d:
@@ -175,7 +175,7 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             targets = [local for tensor in written if (local := self._local(tensor)) is not None]
             if not targets or plan.allocates_empty:  # empty.out: the output keeps what it held
                 return result
-            written_label = self._label(plan, self._reads(plan, args, kwargs), written)
+            written_label = self._label(plan, self._read_arguments(plan, args, kwargs), written)
             for local in targets:
                 self._write(local, written_label)
             for tensor, before in grown:
@@ -185,12 +185,15 @@ class LedgerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         _flatten(result, outputs)
         made = [local for output in outputs if (local := self._local(output)) is not None]
         if made:
-            made_label = None if plan.allocates_empty else self._label(plan, self._reads(plan, args, kwargs), [])
+            made_label = None
+            if not plan.allocates_empty:
+                made_label = self._label(plan, self._read_arguments(plan, args, kwargs), [])
             self._outputs(plan, made, made_label)
         return result
 
     @staticmethod
-    def _reads(plan: _Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    def _read_arguments(plan: _Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """The tensors whose bytes an operation's values come from."""
         reads: list[torch.Tensor] = []
         for index, name in plan.read:
             _flatten(_argument(args, kwargs, index, name), reads)
