@@ -885,6 +885,7 @@ CUTS: dict[str, Callable[[Tensor, Tensor], Tensor | tuple[Tensor, ...]]] = {
     "new_zeros": lambda t, _: t.new_zeros((8, 4)),
     "new_full of another dtype": lambda t, _: t.new_full((2,), 3.5, dtype=torch.float64),
     "new_empty": lambda t, _: t.new_empty((3, 3)),
+    "new_ones of a transpose, as integers": lambda t, _: t.t().new_ones([4, 2], dtype=torch.int64),
     "padded copy": lambda t, other: t.new_zeros((8, 4)).narrow(0, 0, 6).copy_(other),
     "broadcast copy": lambda t, other: t.new_zeros((2, 6, 4)).copy_(other),
 }
@@ -910,6 +911,24 @@ def test_a_fake_tensor_cut_outside_its_mode_is_laid_out_as_inside_it_and_as_a_re
     assert outside == inside
     assert [entry[1:] for entry in outside] == [entry[1:] for entry in real]
     assert all(entry[0] for entry in outside)
+
+
+@pytest.mark.parametrize("cut", CUTS)
+def test_a_constant_cut_outside_its_mode_is_laid_out_as_a_real_one_and_keeps_its_values(cut: str) -> None:
+    # FSDP2's padded shard of a norm weight is one: a new_zeros of a few elements, then cut and copied into.
+    with fake_mode():
+        constant, other = torch.arange(24.0).view(6, 4), torch.arange(24.0, 48.0).view(6, 4)
+    with torch.no_grad():
+        outside = CUTS[cut](constant, other)
+        real = CUTS[cut](torch.arange(24.0).view(6, 4), torch.arange(24.0, 48.0).view(6, 4))
+    assert described(outside) == [(True, *entry[1:]) for entry in described(real)]
+    # new_empty has no values; a detach forgets them (nn.Parameter detaches: a parameter holds none), and so does a
+    # view as another dtype outside the mode, which torch's C++ makes through a detach.
+    if cut not in ("new_empty", "detached", "view as dtype"):
+        fakes = outside if isinstance(outside, tuple | list) else [outside]
+        reals = real if isinstance(real, tuple | list) else [real]
+        with fake_mode():
+            assert [fake.tolist() for fake in fakes] == [tensor.tolist() for tensor in reals]
 
 
 def test_a_view_of_a_fake_parameter_outside_its_mode_is_a_view_autograd_knows() -> None:

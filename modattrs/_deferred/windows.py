@@ -292,9 +292,13 @@ def _plan(
     for storage, window in windows.items():
         if storage not in spans:
             window.host = _host(record, window, touching, windows)
+    # Each CLONE's window by the clone's operation: a window read once, by a clone, may be drawn into its memory.
+    clones = {
+        index: window for window in windows.values() for index, role in window.roles.items() if role == Role.CLONE
+    }
     for storage, window in windows.items():  # once the copies' hosts are known
         if storage not in spans and window.host is None:
-            window.host = _clone_host(record, window, windows)
+            window.host = _clone_host(window, clones)
     return windows
 
 
@@ -351,7 +355,7 @@ def _host(record: Record, window: Window, touching: Mapping[int, list[int]], win
     return Host(factory, laid.offset)
 
 
-def _clone_host(record: Record, window: Window, windows: Mapping[int, Window]) -> Host | None:
+def _clone_host(window: Window, clones: Mapping[int, Window]) -> Host | None:
     """The memory of the window that a ``clone`` of all of ``window``, contiguous, makes, to draw ``window`` into
     (``Note [Drawing into the padded shard]``), with the clone's role set; else None. ``window``'s storage holds no
     target."""
@@ -359,7 +363,7 @@ def _clone_host(record: Record, window: Window, windows: Mapping[int, Window]) -
     if len(reads) != 1 or window.start == window.stop:
         return None
     (reader,) = reads
-    copy = next((made for made in windows.values() if made.roles.get(reader) == Role.CLONE), None)
+    copy = clones.get(reader)
     if copy is None or copy.host is None or copy.source is None:
         return None  # a copy with memory of its own keeps its clone: its memory is made by it
     read = copy.source

@@ -189,6 +189,11 @@ _LIKE_FIRST = frozenset(
     )
     if not written_arguments(op)
 )  # fmt: skip
+#: The ``_LIKE_FIRST`` operations whose result is a fresh contiguous tensor of the sizes given, in the dtype given or
+#: their tensor's (``_new_contiguous``).
+_NEW_CONTIGUOUS = frozenset(
+    id(op) for op in overloads_of(aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty) if id(op) in _LIKE_FIRST
+)
 #: The arguments of ``_to_copy`` that its short path takes (all but ``pin_memory=True`` and other layouts).
 _TO_COPY_ARGUMENTS = frozenset({"dtype", "layout", "device", "pin_memory", "non_blocking", "memory_format"})
 _META = torch.device("meta")
@@ -364,7 +369,20 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         if id(func) in _LIKE_FIRST and self._like_first(first, args, kwargs):
             assert isinstance(first, FakeTensor)
             made = {name: value for name, value in kwargs.items() if name != "device"}  # its own: meta below
-            return self._wrap(call_as_meta(self, func, meta_alias(first), *args[1:], **made), first.device)
+            if id(func) in _NEW_CONTIGUOUS:  # torch's meta kernels for these are Python (refs), a tenth of a shard
+                meta = _new_contiguous(first, args[1], made.get("dtype"))
+            else:
+                meta = call_as_meta(self, func, meta_alias(first), *args[1:], **made)
+            return self._wrap(meta, first.device)
+        # A constant's view or copy, its constant hidden (_run_both, _run_forgetting): the fake part as the short
+        # paths of __torch_dispatch__ make it for a fake without one, and the values after, from the real run.
+        if route is _VIEW and _plain_fake(first, self):
+            assert isinstance(first, FakeTensor)
+            viewed = self._view(func, first, args, kwargs)
+            if viewed is not None:
+                return viewed
+        if route is _COPY and self._plain_copy(args, kwargs):
+            return first
         if route is _DETACH and type(first) is FakeTensor and first.fake_mode is self:
             if first.constant is not None:
                 _forget_constant(self, first)
@@ -690,6 +708,13 @@ def _own_fakes_only(mode: FakeTensorMode, args: Sequence[Any], kwargs: Mapping[s
         elif (type(value) is list or type(value) is tuple) and any(isinstance(item, torch.Tensor) for item in value):
             return False
     return True
+
+
+def _new_contiguous(first: torch.Tensor, size: Sequence[int], dtype: torch.dtype | None) -> torch.Tensor:
+    """The meta tensor ``first.new_zeros(size, dtype=dtype)`` makes (``new_ones``, ``new_full``, ``new_empty``
+    alike): contiguous, of ``size``, in ``dtype`` or ``first``'s, with no conjugate or negative bit."""
+    with DisableTorchFunction(), DisableTorchDispatch():
+        return torch.empty(size, dtype=first.dtype if dtype is None else dtype, device=_META)
 
 
 def _plain_fake(tensor: object, mode: FakeTensorMode) -> bool:
