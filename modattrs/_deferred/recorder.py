@@ -113,6 +113,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         # The copies of real tensors that recorded operations read, by where the tensor's data is (see Note [Real
         # tensors are read when recorded]).
         self._snapshots: dict[tuple[object, ...], torch.Tensor] = {}
+        # Views not written down yet, by the key of what each made (see Note [Views written down when used]).
+        self._unwritten_views: dict[Key, _UnwrittenView] = {}
 
     def _fake_cuda_for(self, func: Callable[..., Any]) -> None:
         """A record that asks for CUDA on a build of torch without it gets fake CUDA, as torchdistx's did: what
@@ -154,9 +156,11 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             pending = None
             if viewed is None:
                 mutated = _mutated_arguments(facts, args, kwargs)
+                if mutated and not facts.value_writer and self._unwritten_views:
+                    self._write_views()  # it may move a viewed tensor in place: see Note [Views written down when used]
                 pending = self._begin(func, facts, args, kwargs, mutated, random=facts.random)
             else:
-                viewed_key = self._ref_of(viewed, func)[1]
+                viewed_ref, viewed_key = self._ref_of(viewed, func)
             self._depth.n = 1
             needs_values = False
             try:
@@ -199,6 +203,13 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                     result_key = self._key_of(result)
                     if result_key == viewed_key:
                         return result  # see Note [Views that are their argument]
+                    if not facts.random:  # see Note [Views written down when used]
+                        # (the first view of a key stays: a later one makes the same tensor, to the record)
+                        unwritten = _UnwrittenView(
+                            func, facts, args[1:], kwargs, (viewed_ref, viewed_key, viewed.device)
+                        )
+                        self._unwritten_views.setdefault(result_key, unwritten)
+                        return result
                 pending = self._begin(func, facts, args, kwargs, (), random=facts.random)
             assert pending is not None
             self._finish(pending, result, result_key)
@@ -244,6 +255,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         """The record's name for ``tensor`` (None if the record cannot account for it), and its storage."""
         with rng.lock:
             key = self._key_of(tensor)
+            if key in self._unwritten_views:
+                self._write_view(key, tensor)
             return self.record.keys.get(key), key[0]
 
     def made_through(self, view: FakeTensor) -> list[int]:
@@ -273,6 +286,48 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
 
     # --- recording --------------------------------------------------------------------------------------------------
 
+    def _write_view(self, key: Key, tensor: FakeTensor) -> None:
+        """Write down the view that made the tensor known by ``key``, which ``tensor`` has: it is being used (see
+        Note [Views written down when used]).
+
+        Note [Views written down when used]
+        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        A view of one fake tensor given plain values (a ``narrow``, a ``view``: most of what FSDP2 does to a
+        parameter) reads no values, writes nothing and draws nothing: what it makes is its argument's ref seen
+        through its geometry, whenever that is worked out. So it is written down when something needs its result's
+        ref: an operation given a tensor of its key, or a question about one (``ref_and_storage_of``: materializing,
+        is it deferred). One that nothing uses is never written down: FSDP2 cuts a chunk of each parameter for its
+        size alone (its post-forward metadata), and every replay would make it, and every pass over the record
+        step over it. Written later than it ran, it is written before its first use, which is all that orders a
+        view: its values are its argument's when they are read. Its argument is noted as it was (its ref, key and
+        device), as ``.data =`` moves a tensor without an operation. What else could change what it makes is its
+        argument moving in place (``t_``, ``set_``, ``resize_``: see ``_keep_place``), so before an operation that
+        writes a tensor and is no value writer, every view not written down yet is, those whose results are gone
+        too: a tensor can take their key without an operation (``.data =``, ``swap_tensors``), so a view not
+        written down is never forgotten.
+        """
+        self._write_down(self._unwritten_views.pop(key), key, tensor)
+
+    def _write_views(self) -> None:
+        """Write down every view not written down yet, in the order they ran, each for a stand-in of its result (see
+        ``_UnwrittenView``): the record knows a result by its key."""
+        views, self._unwritten_views = self._unwritten_views, {}
+        for key, view in views.items():
+            self._write_down(view, key, self._stand_in(key, view.viewed[2]))
+
+    def _write_down(self, view: _UnwrittenView, key: Key, result: FakeTensor) -> None:
+        _, viewed_key, device = view.viewed
+        args = (self._stand_in(viewed_key, device), *view.rest)
+        pending = self._begin(view.func, view.facts, args, view.kwargs, (), random=False, first=view.viewed)
+        self._finish(pending, result, key)
+
+    def _stand_in(self, key: Key, device: torch.device) -> FakeTensor:
+        """A fresh fake tensor of ``key``'s sizes, strides and dtype on ``device``, for the record to know as the
+        tensor of ``key`` (in no storage the record knows)."""
+        with DisableTorchFunction(), DisableTorchDispatch():
+            meta = torch.empty_strided(key[2], key[3], dtype=key[4], device="meta")
+        return self._wrap(meta, device)
+
     def _begin(
         self,
         func: Callable[..., Any],
@@ -282,7 +337,10 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         mutated: Sequence[torch.Tensor],
         *,
         random: bool,
+        first: tuple[int, Key, torch.device] | None = None,
     ) -> _Pending:
+        """``first``: the ref, key and device of the first argument, a fake tensor, when the view operation was
+        given it (Note [Views written down when used]): it may have moved since without an operation (``.data =``)."""
         plain = plain_call(args, kwargs)
         originals, spec = _flattened(args, kwargs, plain)
         flat = list(originals)
@@ -303,7 +361,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                     "Do this after materialize_module"
                 )
             if isinstance(value, FakeTensor):
-                ref, key = self._ref_of(value, func)
+                ref, key = self._ref_of(value, func) if first is None or position else first[:2]
                 storage = key[0]
                 keys.append(key)
                 size, stride, dtype = key[2], key[3], key[4]  # the key holds them
@@ -311,7 +369,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 geometry = (storage, size, stride, dtype)
                 laid = layout is not None and (layout.storage, layout.size, layout.stride, layout.dtype) == geometry
                 written_here = id(value) in written
-                slots.append(Slot(position, ref, storage, size, stride, dtype, value.device, written_here, laid))
+                device = value.device if first is None or position else first[2]
+                slots.append(Slot(position, ref, storage, size, stride, dtype, device, written_here, laid))
                 flat[position] = None
             elif isinstance(value, torch.Tensor):  # a real tensor from outside (torch.tensor(...), a loaded weight)
                 if id(value) in written:
@@ -567,6 +626,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             elif id(leaf) in pending.mutated:
                 writes.add(key[0])  # set_ and resize_ move it to another storage
             record.keys[key] = ref
+            self._unwritten_views.pop(key, None)  # a view not written down that made this key is this one now
             out_refs.append(ref)
         if device is None:
             device = next((slot.device for slot in pending.slots if slot.written), None)
@@ -581,6 +641,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 "Deferred modules can only be combined with tensors made in the same deferred_init call or real ones"
             )
         key = self._key_of(tensor)
+        if key in self._unwritten_views:
+            self._write_view(key, tensor)
         ref = self.record.keys.get(key)
         if ref is None:
             raise DeferredInitError(
@@ -774,6 +836,18 @@ class _Pending:
     value_writer: bool
     overwrites: frozenset[int]
     viewed: _Real | None  # a view operation of a real tensor: that tensor, for messages
+
+
+class _UnwrittenView(NamedTuple):
+    """A view of one fake tensor given plain values, not written down yet (Note [Views written down when used]):
+    what ``_begin`` takes, but no tensor: a fake held here would be held by something outside the module, which
+    materializing refuses (``swap_tensors``)."""
+
+    func: Callable[..., Any]
+    facts: OpFacts
+    rest: Sequence[Any]  # its arguments but the viewed tensor, as the dispatcher made them: held by nothing else
+    kwargs: Mapping[str, Any]
+    viewed: tuple[int, Key, torch.device]  # the ref, key and device of what it viewed, when it ran
 
 
 class _Real(NamedTuple):
