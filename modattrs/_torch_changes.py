@@ -47,9 +47,13 @@ from modattrs._torch_private import (
     ENGINE_ENTRY,
     ENGINE_ENTRY_OWNERS,
     FSDP_CHUNKS,
+    FSDP_PARAM_CLASS,
     FSDP_PARAM_MODULE,
+    FSDP_POST_FORWARD_SIZES,
     TRUNC_NORMAL_HELPER,
     TRUNC_NORMAL_WARNINGS,
+    DisableTorchDispatch,
+    DisableTorchFunction,
     FakeTensor,
     active_fake_mode,
     disable_current_modes,
@@ -220,9 +224,15 @@ def _install_fsdp_chunks() -> None:
         #     tensor, its record, the device torch's C++ asks of each view): at 64 ranks, nine tenths of what
         #     fully_shard of a deferred model cost. For such a tensor the chunks are made when read, each the view
         #     torch.chunk makes (narrow of the same range); every other tensor gets torch's list.
+        #     Its post-forward metadata cuts the parameter once more for the size of the rank's chunk alone: while
+        #     it runs, a fake tensor of modattrs' modes is cut as a meta tensor of its sizes, strides and dtype
+        #     (a chunk's size depends on nothing else), which costs no fake tensor and no record.
         module = sys.modules[FSDP_PARAM_MODULE]
         if callable(getattr(module, FSDP_CHUNKS, None)):
             _replace(module, FSDP_CHUNKS, _chunks_read_on_demand)
+            owner = getattr(module, FSDP_PARAM_CLASS, None)
+            if callable(getattr(owner, FSDP_POST_FORWARD_SIZES, None)):
+                _replace(owner, FSDP_POST_FORWARD_SIZES, _chunk_sizes_read_from_meta)
         _fsdp_installed = True
 
 
@@ -542,6 +552,9 @@ class _ChunksOnDemand(Sequence[torch.Tensor]):
         return chunk
 
 
+_sizes_only = threading.local()  # .depth: FSDP2 is cutting for chunk sizes alone (change 15)
+
+
 def _chunks_read_on_demand(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _chunk_with_empty(tensor: Any, num_chunks: Any, dim: Any) -> Any:  # FSDP2 calls it so
@@ -554,10 +567,30 @@ def _chunks_read_on_demand(original: Callable[..., Any]) -> Callable[..., Any]:
             and tensor.dim() > 0
             and tensor.size(dim) > 0
         ):
+            if getattr(_sizes_only, "depth", 0):
+                tensor = _meta_of_same_geometry(tensor)
             return _ChunksOnDemand(tensor, num_chunks, dim)
         return original(tensor, num_chunks, dim)
 
     return _chunk_with_empty
+
+
+def _chunk_sizes_read_from_meta(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _init_sharded_post_forward_param_metadata(*args: Any, **kwargs: Any) -> Any:  # as given: FSDP2's method
+        _sizes_only.depth = getattr(_sizes_only, "depth", 0) + 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _sizes_only.depth -= 1
+
+    return _init_sharded_post_forward_param_metadata
+
+
+def _meta_of_same_geometry(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``tensor``'s sizes, strides and dtype, made below every mode."""
+    with DisableTorchFunction(), DisableTorchDispatch():
+        return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="meta")
 
 
 def _own_chunk_scattered(original: Callable[..., Any]) -> Callable[..., Any]:

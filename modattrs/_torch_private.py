@@ -702,6 +702,12 @@ DTENSOR_BROADCAST = "mesh_broadcast"
 FSDP_PARAM_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param"
 FSDP_CHUNKS = "_chunk_with_empty"
 
+#: ``FSDPParam._init_sharded_post_forward_param_metadata(self, param)`` cuts the parameter's local tensor again with
+#: ``_chunk_with_empty`` and reads the size of the rank's chunk alone (``_get_dim_chunked_size``), keeping no chunk.
+#: Checked on 2.8, 2.13 and 2.14.
+FSDP_PARAM_CLASS = "FSDPParam"
+FSDP_POST_FORWARD_SIZES = "_init_sharded_post_forward_param_metadata"
+
 
 def dtensor_local(tensor: torch.Tensor) -> torch.Tensor:
     """The local tensor a DTensor holds: ``DTensor.to_local()`` returns another tensor object each time, and

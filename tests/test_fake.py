@@ -12,6 +12,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from modattrs import ShapedTensor, VirtualTensor
@@ -938,6 +940,38 @@ def test_a_view_of_a_fake_parameter_outside_its_mode_is_a_view_autograd_knows() 
     assert chunk._base is parameter
     assert chunk.requires_grad
     assert chunk.untyped_storage().nbytes() == parameter.untyped_storage().nbytes()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 6), min_size=1, max_size=3),
+    dim=st.integers(-3, 2),
+    start=st.one_of(st.none(), st.integers(-8, 8)),
+    end=st.one_of(st.none(), st.integers(-8, 9)),
+    step=st.integers(1, 3),
+    inside=st.booleans(),
+)
+def test_a_slice_of_a_fake_tensor_is_laid_out_as_torch_lays_out_the_meta_one_and_shares_its_storage(
+    sizes: list[int], dim: int, start: int | None, end: int | None, step: int, inside: bool
+) -> None:
+    assume(-len(sizes) <= dim < len(sizes))
+    meta = torch.empty(sizes, device="meta").t() if len(sizes) == 2 else torch.empty(sizes, device="meta")
+    expected = torch.ops.aten.slice.Tensor(meta, dim, start, end, step)
+    with fake_mode():
+        fake = torch.empty(sizes).t() if len(sizes) == 2 else torch.empty(sizes)
+        if inside:
+            sliced = torch.ops.aten.slice.Tensor(fake, dim, start, end, step)
+    if not inside:  # the short path outside the mode
+        sliced = torch.ops.aten.slice.Tensor(fake, dim, start, end, step)
+    assert (tuple(sliced.shape), sliced.stride(), sliced.storage_offset()) == (
+        tuple(expected.shape),
+        expected.stride(),
+        expected.storage_offset(),
+    )
+    assert address_of(sliced.untyped_storage()) == address_of(fake.untyped_storage())
+    assert sliced.device == fake.device
+    assert is_fake(sliced)
+    assert sliced is not fake
 
 
 def test_a_view_of_a_constant_holds_its_values_inside_the_mode_and_out_of_it() -> None:

@@ -6,9 +6,13 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_param
 
+from modattrs.deferred import deferred_init
 from modattrs.fake import fake_mode
+from tests.support.ranks import fake_world
 
 
 def layout(tensor: torch.Tensor) -> tuple[object, ...]:
@@ -65,3 +69,36 @@ def test_real_and_meta_tensors_get_torchs_list() -> None:
         chunks = _fsdp_param._chunk_with_empty(tensor, 4, 0)
         assert type(chunks) is list
         assert [layout(chunk) for chunk in chunks] == [layout(chunk) for chunk in torch.chunk(tensor, 4)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    columns=st.integers(1, 5),
+    size=st.sampled_from([2, 3, 4, 8, 64]),
+    data=st.data(),
+)
+def test_fsdp2s_sizes_of_a_deferred_parameters_shards_are_those_of_the_meta_parameters(
+    rows: int, columns: int, size: int, data: st.DataObject
+) -> None:
+    # Its post-forward metadata reads the size of the rank's chunk alone, cut from a meta tensor for a fake one.
+    rank = data.draw(st.integers(0, size - 1), label="rank")
+    with fake_world((size,), rank) as mesh:
+        states = []
+        for module in (deferred_init(nn.Linear, columns, rows), nn.Linear(columns, rows, device="meta")):
+            fully_shard(module, mesh=mesh, reshard_after_forward=True)
+            group = fully_shard.state(module)._fsdp_param_group  # type: ignore[attr-defined]
+            states.append(
+                [
+                    (
+                        param.sharded_size,
+                        param.padded_sharded_param_size,
+                        param.sharded_post_forward_size,
+                        param.contiguous_sharded_post_forward_stride,
+                    )
+                    for param in group.fsdp_params
+                ]
+            )
+        deferred, meta = states
+    assert deferred == meta
+    assert all(isinstance(size, torch.Size) for state in deferred for size in state[:3])

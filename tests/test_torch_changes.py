@@ -99,7 +99,10 @@ def changed():
     """Every attribute of torch's modules and main classes that is, or wraps, a function of modattrs."""
     found = {}
     owners = [(name, module) for name, module in list(sys.modules.items()) if name.split(".")[0] == "torch" and module]
-    classes = (torch.Tensor, nn.Module, FakeTensor, FakeTensorMode)
+    classes = [torch.Tensor, nn.Module, FakeTensor, FakeTensorMode]
+    fsdp = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_param")
+    if fsdp is not None:
+        classes.append(fsdp.FSDPParam)
     owners += [(f"{cls.__module__}.{cls.__name__}", cls) for cls in classes]
     for owner_name, owner in owners:
         for attribute, value in list(vars(owner).items()):
@@ -165,7 +168,10 @@ def run(order: tuple[str, ...], *extra: str) -> list[dict[str, Any]]:
 
 
 DTENSOR_HELPERS = {f"torch.distributed.tensor.placement_types.{name}" for name in ("mesh_scatter", "mesh_broadcast")}
-FSDP_CHUNKS = {"torch.distributed.fsdp._fully_shard._fsdp_param._chunk_with_empty"}
+FSDP_CHUNKS = {
+    "torch.distributed.fsdp._fully_shard._fsdp_param._chunk_with_empty",
+    "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam._init_sharded_post_forward_param_metadata",
+}
 
 
 def test_every_order_of_first_use_leaves_torch_in_one_state_and_every_feature_working() -> None:

@@ -527,6 +527,10 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         attributes = self._attributes(device)
         if attributes is None:
             return None
+        if func is _SLICE and _slices_all(first, args, kwargs):
+            return alias_fake(
+                self, first, device, attributes
+            )  # FSDP2's narrow of an evenly divided shard to its length
         # on a plain alias of ``first``: the kernel's questions about its device stay in C++ (see meta_alias)
         result: Any = call_as_meta(self, func, meta_alias(first), *args[1:], **(kwargs or {}))  # a split's is a list
         if type(result) is list or type(result) is tuple:
@@ -685,6 +689,26 @@ def _forget_constant(mode: FakeTensorMode, tensor: FakeTensor) -> None:
     if has_constant_aliases(mode):
         forget_constant_aliases(mode, tensor)
     tensor.constant = None
+
+
+_SLICE = aten.slice.Tensor
+
+
+def _slices_all(first: torch.Tensor, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> bool:
+    """Whether ``aten.slice.Tensor(first, *args[1:], **kwargs)`` keeps all of ``first``: step 1, from the start, to
+    its end or past it. Its result is then an alias of ``first``, of the same geometry."""
+    if kwargs or not 1 <= len(args) <= 5 or first.dim() == 0:
+        return False
+    given: tuple[Any, ...] = tuple(args[1:])
+    dim, start, end, step = given + (0, None, None, 1)[len(given) :]
+    if type(dim) is not int or not -first.dim() <= dim < first.dim():
+        return False
+    return (
+        (start is None or (type(start) is int and start == 0))
+        and (end is None or (type(end) is int and end >= first.size(dim)))
+        and type(step) is int
+        and step == 1
+    )
 
 
 def _other_tensors(args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> bool:
