@@ -528,9 +528,8 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         if attributes is None:
             return None
         if func is _SLICE and _slices_all(first, args, kwargs):
-            return alias_fake(
-                self, first, device, attributes
-            )  # FSDP2's narrow of an evenly divided shard to its length
+            # all of it (FSDP2 narrows an evenly divided padded shard to its own length, twice per parameter)
+            return alias_fake(self, first, device, attributes)
         # on a plain alias of ``first``: the kernel's questions about its device stay in C++ (see meta_alias)
         result: Any = call_as_meta(self, func, meta_alias(first), *args[1:], **(kwargs or {}))  # a split's is a list
         if type(result) is list or type(result) is tuple:
