@@ -23,6 +23,9 @@ def run(held: list[Tensor], step: Step) -> None:
         dim = b % tensor.dim()
         start = c % (tensor.size(dim) + 1)
         held.append(tensor.narrow(dim, start, (b + c) % (tensor.size(dim) - start + 1)))
+    elif kind == "whole" and tensor.dim():  # a slice keeping all of it, and a detach: aliases, as FSDP2 makes
+        dim = b % tensor.dim()
+        held.append(tensor.narrow(dim, 0, tensor.size(dim)) if c % 2 else tensor.detach())
     elif kind == "flatten" and tensor.is_contiguous():
         held.append(tensor.view(-1))
     elif kind == "transpose" and tensor.dim() == 2:
@@ -82,7 +85,7 @@ def described(module: nn.Module) -> list[tuple[object, ...]]:
 
 steps = st.lists(
     st.tuples(
-        st.sampled_from(["narrow", "flatten", "transpose", "drop", "move base", "rebind base", "write"]),
+        st.sampled_from(["narrow", "whole", "flatten", "transpose", "drop", "move base", "rebind base", "write"]),
         st.integers(0, 30),
         st.integers(0, 30),
         st.integers(0, 30),

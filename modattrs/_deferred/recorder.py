@@ -115,6 +115,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         self._snapshots: dict[tuple[object, ...], torch.Tensor] = {}
         # Views not written down yet, by the key of what each made (see Note [Views written down when used]).
         self._unwritten_views: dict[Key, _UnwrittenView] = {}
+        self._placeholder: FakeTensor | None = None  # see _argument_placeholder
 
     def _fake_cuda_for(self, func: Callable[..., Any]) -> None:
         """A record that asks for CUDA on a build of torch without it gets fake CUDA, as torchdistx's did: what
@@ -144,6 +145,13 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         depth: int = getattr(self._depth, "n", 0)
         if depth:
             return super().__torch_dispatch__(func, types, args, kwargs)
+        # A detach, or a slice keeping all of a tensor (three of FSDP2's seven operations on each parameter), is its
+        # argument to the record (Note [Views that are their argument]): nothing to look up or write down.
+        alias = self.whole_alias(func, args, kwargs)
+        if alias is not None:
+            with rng.lock:
+                self._view_sources[address_of(alias)] = address_of(args[0])
+            return alias
         kwargs = kwargs or {}
         facts = facts_of(func)
         with rng.lock:
@@ -316,10 +324,19 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             self._write_down(view, key, self._stand_in(key, view.viewed[2]))
 
     def _write_down(self, view: _UnwrittenView, key: Key, result: FakeTensor) -> None:
-        _, viewed_key, device = view.viewed
-        args = (self._stand_in(viewed_key, device), *view.rest)
+        args = (self._argument_placeholder(), *view.rest)
         pending = self._begin(view.func, view.facts, args, view.kwargs, (), random=False, first=view.viewed)
         self._finish(pending, result, key)
+
+    def _argument_placeholder(self) -> FakeTensor:
+        """What stands for a view's argument when it is written down (``_write_down``): the record takes the
+        argument's ref, key and device from ``_UnwrittenView.viewed``, and only needs a fake tensor in its place. One
+        per mode, never a result: results are told apart from arguments by identity (``_Pending.arg_refs``)."""
+        placeholder = self._placeholder
+        if placeholder is None:
+            key: Key = (0, 0, (), (), torch.float32, False, False)
+            placeholder = self._placeholder = self._stand_in(key, torch.device("cpu"))
+        return placeholder
 
     def _stand_in(self, key: Key, device: torch.device) -> FakeTensor:
         """A fresh fake tensor of ``key``'s sizes, strides and dtype on ``device``, for the record to know as the
@@ -351,6 +368,8 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         generators: list[tuple[int, torch.Generator]] = []
         keys: list[Key] = []
         for position, value in enumerate(originals):
+            if type(value) in _NUMBERS_AND_NAMES:  # most arguments: sizes, dims, dtypes
+                continue
             if isinstance(value, (torch.UntypedStorage, torch.TypedStorage)) or (
                 isinstance(value, torch.Tensor) and value.layout is not torch.strided
             ):
@@ -426,7 +445,9 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         it has the argument's ref already, and a replay would make it as an alias of the argument's real tensor,
         which stands for it as well. Such operations are not written down: ``nn.Parameter`` detaches each weight,
         ``fully_shard`` each shard and takes all of an even one (two fifths of the operations of a model sharded over
-        64 ranks), and every replay would run them, and each pass over the record step over them.
+        64 ranks), and every replay would run them, and each pass over the record step over them. A detach, and a
+        slice that keeps all of its tensor, are known to be such before they run: they are made first thing in
+        ``__torch_dispatch__`` (``whole_alias``), with no key worked out and nothing looked up.
         """
         if not pending.facts.view or len(pending.keys) != 1 or pending.constant_slots:
             return False
@@ -1151,6 +1172,10 @@ def _viewed_alone(facts: OpFacts, args: Sequence[Any], kwargs: Mapping[str, Any]
     return first
 
 
+# Arguments that _begin passes on as they are (not tensors, storages, devices or generators).
+_NUMBERS_AND_NAMES = frozenset(
+    {int, float, bool, complex, str, type(None), torch.dtype, torch.layout, torch.memory_format}
+)
 # What a view operation may be given besides its tensor and still be known by that tensor alone.
 _PLAIN_VALUES = frozenset({int, float, bool, type(None), torch.dtype, torch.memory_format})
 

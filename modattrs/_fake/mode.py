@@ -487,6 +487,22 @@ class ModattrsFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             return self._plain_copy(args, kwargs)
         return like_first and self._like_first(first, args, kwargs or {})
 
+    def whole_alias(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> FakeTensor | None:
+        """``func(*args, **kwargs)`` when it is an alias of all of its first argument, a fake of this mode without a
+        constant: a ``detach``, or a slice that keeps all of it (see :func:`_slices_all`). None otherwise, or where
+        :meth:`_attributes` sends fakes through torch's constructor. Made as the short paths make it."""
+        if not args:
+            return None
+        first = args[0]
+        if func is _SLICE:
+            if not _plain_fake(first, self) or not _slices_all(first, args, kwargs):
+                return None
+        elif _ROUTE.get(id(func)) is not _DETACH or len(args) != 1 or kwargs or not _plain_fake(first, self):
+            return None
+        device = first.device
+        attributes = self._attributes(device)
+        return None if attributes is None else alias_fake(self, first, device, attributes)
+
     def _plain_copy(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> bool:
         """Whether ``copy_(*args, **kwargs)`` writes values only, and would succeed in eager code: between fakes of
         this mode without constants, of one shape, dtype and device, into a contiguous target (no element written
@@ -768,11 +784,11 @@ def _factory(
     held = [a for a in args if type(a) is FakeTensor and a.constant is not None]  # zeros_like(constant)
     with _Hidden(held):
         fake = mode._fake_only(func, types, args, kwargs, _CONSTANT_FACTORY)
-    if type(fake) is not FakeTensor or fake.device.type == "meta" or fake.layout is not torch.strided:
+    if type(fake) is not FakeTensor or fake.layout is not torch.strided or fake.numel() > CONSTANT_LIMIT:
+        return fake  # (numel, from its sizes in C++, asks no mode)
+    if fake.device.type == "meta":
         return fake  # on the meta device values are refused, as outside fake mode
     with DisableTorchFunction(), DisableTorchDispatch():
-        if fake.numel() > CONSTANT_LIMIT:
-            return fake
         real_args = [_factory_argument(func, a) for a in args]
         if any(a is None for a in real_args):
             return fake  # linspace from a tensor without values
