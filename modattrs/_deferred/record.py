@@ -336,10 +336,10 @@ def plain_call(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Plain | None:
     containers: list[tuple[type, int] | None] = []
     for value in (*args, *kwargs.values()):
         kind = type(value)
-        if kind in _LEAF_TYPES or isinstance(value, torch.Tensor):
+        if kind in LEAF_TYPES or isinstance(value, torch.Tensor):
             containers.append(None)
         elif (kind is list or kind is tuple) and all(
-            type(item) in _LEAF_TYPES or isinstance(item, torch.Tensor) for item in value
+            type(item) in LEAF_TYPES or isinstance(item, torch.Tensor) for item in value
         ):
             containers.append((kind, len(value)))
         else:
@@ -383,7 +383,7 @@ def _gathered(flat: list[Any], containers: tuple[tuple[type, int] | None, ...]) 
 
 
 # Exact types: subclasses of tuple (torch.Size, named tuples) are pytree nodes.
-_LEAF_TYPES = frozenset(
+LEAF_TYPES = frozenset(
     {int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
 )
 

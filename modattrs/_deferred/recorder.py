@@ -36,6 +36,7 @@ from modattrs._compiled import install_dispatch_entry
 from modattrs._deferred import rng
 from modattrs._deferred.ops import OpFacts, facts_of
 from modattrs._deferred.record import (
+    LEAF_TYPES,
     NO_RESULTS,
     Constant,
     DeferredInitError,
@@ -1172,10 +1173,8 @@ def _viewed_alone(facts: OpFacts, args: Sequence[Any], kwargs: Mapping[str, Any]
     return first
 
 
-# Arguments that _begin passes on as they are (not tensors, storages, devices or generators).
-_NUMBERS_AND_NAMES = frozenset(
-    {int, float, bool, complex, str, type(None), torch.dtype, torch.layout, torch.memory_format}
-)
+# Arguments that _begin passes on as they are: the leaves of a plain call but devices, which it notes.
+_NUMBERS_AND_NAMES = LEAF_TYPES - {torch.device}
 # What a view operation may be given besides its tensor and still be known by that tensor alone.
 _PLAIN_VALUES = frozenset({int, float, bool, type(None), torch.dtype, torch.memory_format})
 
