@@ -220,16 +220,17 @@ class Columns(nn.Module):
 
 
 def written_by_a_rank_of_fsdp_over_tensor_parallelism(
-    make: Callable[[], nn.Module], style: type[ParallelStyle], dp: int, tp: int, rank: int
+    make: Callable[[], nn.Module], style: type[ParallelStyle], dp: int, tp: int, rank: int, src_data_rank: int | None
 ) -> tuple[int, int, int]:
-    """The elements a rank draws and copies to materialize ``make``'s weights cut by ``style`` over tp then by
-    ``fully_shard`` over dp, and its own elements; its shards and the generator checked against eager code's."""
+    """The elements a rank draws and copies to materialize ``make``'s weights cut by ``style`` over tp (each rank
+    cutting its own, or rank ``src_data_rank``'s chunks scattered, DTensor's default) then by ``fully_shard`` over
+    dp, and its own elements; its shards and the generator checked against eager code's."""
     reference, state_after_eager = eager(make)
     plan: dict[str, ParallelStyle] = {"first": style(), "second": style()}
     with fake_mesh(dp, tp, rank) as mesh:
         torch.manual_seed(0)
         model = deferred_init(make)
-        parallelize_module(model, mesh["tp"], plan, src_data_rank=None)
+        parallelize_module(model, mesh["tp"], plan, src_data_rank=src_data_rank)
         fully_shard(model, mesh=mesh["dp"])
         written = elements_written(lambda: materialize_module(model))
         drawn, copied = written["aten::normal_"] + written["aten::uniform_"], written["aten::copy_"]
@@ -239,11 +240,20 @@ def written_by_a_rank_of_fsdp_over_tensor_parallelism(
     return drawn, copied, own
 
 
+#: Each rank cutting its own chunk, or rank 0's chunks scattered (DTensor's default, and torchtitan's): the scatter
+#: of a deferred source is recorded as a copy of the rank's own chunk into what ``empty_like`` made, which a replay
+#: takes as a clone of that chunk, so the rank's rows are all it draws either way.
+SOURCES = pytest.mark.parametrize("src_data_rank", [None, 0], ids=["each rank cuts its own", "rank 0's sent"])
+
+
+@SOURCES
 @pytest.mark.parametrize(("dp", "tp", "rank"), [(4, 2, 0), (4, 2, 5), (8, 1, 7)])
 def test_a_rank_of_fsdp_over_tensor_parallelism_draws_its_own_rows_not_its_tensor_parallel_shard(
-    dp: int, tp: int, rank: int
+    dp: int, tp: int, rank: int, src_data_rank: int | None
 ) -> None:
-    drawn, _, own = written_by_a_rank_of_fsdp_over_tensor_parallelism(Columns, ColwiseParallel, dp, tp, rank)
+    drawn, _, own = written_by_a_rank_of_fsdp_over_tensor_parallelism(
+        Columns, ColwiseParallel, dp, tp, rank, src_data_rank
+    )
     total = 64 * (512 + 384)
     assert own <= drawn <= own + 2 * 16  # normal_ draws whole blocks of 16 at either end
     assert drawn < total // tp  # not the tensor-parallel shard
@@ -259,6 +269,7 @@ class RowCut(nn.Module):
         nn.init.normal_(self.second.weight)
 
 
+@SOURCES
 @pytest.mark.parametrize(("dp", "tp", "rank"), [(4, 2, 0), (4, 2, 5), (8, 1, 7)])
 @pytest.mark.parametrize(
     ("make", "style", "copies"),
@@ -266,9 +277,15 @@ class RowCut(nn.Module):
     ids=["a column cut is drawn into it", "a row cut is copied into it once"],
 )
 def test_a_rank_of_fsdp_over_tensor_parallelism_writes_its_rows_straight_into_its_padded_shard(
-    dp: int, tp: int, rank: int, make: Callable[[], nn.Module], style: type[ParallelStyle], copies: int
+    dp: int,
+    tp: int,
+    rank: int,
+    make: Callable[[], nn.Module],
+    style: type[ParallelStyle],
+    copies: int,
+    src_data_rank: int | None,
 ) -> None:
-    _, copied, own = written_by_a_rank_of_fsdp_over_tensor_parallelism(make, style, dp, tp, rank)
+    _, copied, own = written_by_a_rank_of_fsdp_over_tensor_parallelism(make, style, dp, tp, rank, src_data_rank)
     # Not drawn into a window, cloned into a tensor-parallel shard of its own and then copied into FSDP2's padded
     # shard: rows of a column cut are drawn where they end, and the strided rows of a row cut are copied there once
     # (over a trivial tp dimension, the cut is all of the weight: contiguous, drawn where it ends too).

@@ -39,7 +39,12 @@ A storage made whole by a ``clone`` of a view of another (``distribute_tensor``'
 cuts along dim 0) has a window too: whole rows of the copy, made by cloning the same rows of the view (the *source*
 part), which is all its source's window must hold for that reader. So a rank of FSDP2 over tensor parallelism
 copies and draws its own rows, not its tensor-parallel shard, and a trivial mesh dimension (tp 1) costs nothing.
-Storages are planned last touched first, so a copy's window is known before its source's.
+A storage that a factory made (``empty_like``, ``new_empty``, ...) and a ``copy_`` then wrote all of, from a view
+of another storage of the same sizes and dtype, with nothing but metadata reads in between, is such a copy too (the
+factory's memory is never made: the copy's rows are the window): that is what a scatter of a deferred source
+records (Note [A scatter of a deferred source is the rank's own chunk] in ``recorder``), ``distribute_tensor``'s
+default, and torchtitan's. Storages are planned last touched first, so a copy's window is known before its
+source's.
 
 Note [A window drawn as runs]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -115,7 +120,9 @@ class Role:
     OUTSIDE = "outside"  # a partial elementwise write outside the window: not run
     READ = "read"
     HOST = "host"  # the factory of the storage the window is drawn into: gives it
-    CLONE = "clone"  # the copy that made the storage whole, contiguous, from a view of another: copies the window
+    # the copy that made the storage whole, contiguous, from a view of another (a clone, or a copy_ into what a
+    # factory made): copies the window
+    CLONE = "clone"
     COPIED = "copied"  # the copy of the window into its host: not run
 
 
@@ -287,7 +294,7 @@ def _plan(
         if window is not None:
             found[storage] = window
             if window.source is not None:
-                copied[touching[storage][0]] = window.source
+                copied[_clone_index(window)] = window.source
     windows = {storage: found[storage] for storage in touching if storage in found}
     for storage, window in windows.items():
         if storage not in spans:
@@ -370,8 +377,8 @@ def _clone_host(window: Window, clones: Mapping[int, Window]) -> Host | None:
     if read.storage != window.storage or read.span != range(window.start, window.stop) or not _contiguous(read):
         return None  # the clone reads other than all of the window, or not in its order
     first_write = next(role for role in window.roles.values() if role not in (Role.CREATE, Role.VIEW, Role.METADATA))
-    if first_write != Role.DRAW or copy.stop - copy.start != window.stop - window.start:
-        return None
+    if first_write not in (Role.DRAW, Role.CLONE) or copy.stop - copy.start != window.stop - window.start:
+        return None  # its creator's fill would be what the copy reads, or the copy reads another length
     window.roles[reader] = Role.COPIED
     return Host(None, 0, make=copy.memory)
 
@@ -387,17 +394,27 @@ def _window(
     ops, layouts = record.ops, record.layouts
     whole = _created(ops[indices[0]], storage, layouts)
     cloned = None
+    roles = {indices[0]: Role.CREATE}
+    later = indices[1:]
     if whole is None:
         whole, cloned = _cloned(ops[indices[0]], storage, layouts) or (None, None)
+        if whole is not None:
+            roles[indices[0]] = Role.CLONE
+    if whole is None:
+        copy = _copied_whole(ops, indices, storage, layouts)
+        if copy is not None:  # the factory before it makes nothing (see the CREATE role in _run)
+            at, whole, cloned = copy
+            roles.update(dict.fromkeys(indices[1:at], Role.METADATA))
+            roles[indices[at]] = Role.CLONE
+            later = indices[at + 1 :]
     if whole is None or _covered(target_spans, math.prod(whole.size)):
         return None  # not made whole by a factory, or all of it is a target's (FSDP2's padded shard)
     if cloned is not None and target_spans:
         return None  # a target on a copy (a deep copy's view) keeps its place in the whole copy, as in eager code
-    roles = {indices[0]: Role.CREATE if cloned is None else Role.CLONE}
     spans = list(target_spans)
     partial: dict[int, range] = {}
     patterns: dict[int, rng.Pattern] = {}
-    for index in indices[1:]:
+    for index in later:
         op = ops[index]
         on = [slot for slot in op.slots if slot.storage == storage]
         for slot in on:
@@ -529,9 +546,10 @@ def _hull(spans: Sequence[range]) -> tuple[int, int] | None:
     return hull
 
 
-def _created(op: Op, storage: int, layouts: Mapping[int, Layout]) -> Layout | None:
-    """The layout of the whole storage if ``op`` is a factory that made it, contiguous from its start."""
-    if len(op.out_refs) != 1 or not facts_of(op.func).creator:
+def _created(op: Op, storage: int, layouts: Mapping[int, Layout], *, like: bool = False) -> Layout | None:
+    """The layout of the whole storage if ``op`` is a factory that made it, contiguous from its start: a creator
+    (which a window can run on its own size), or with ``like``, ``empty_like`` too."""
+    if len(op.out_refs) != 1 or not (facts_of(op.func).creator or (like and op.func is aten.empty_like.default)):
         return None
     for slot in op.slots:
         if slot.storage == storage:
@@ -564,6 +582,47 @@ def _cloned(op: Op, storage: int, layouts: Mapping[int, Layout]) -> tuple[Layout
     if op.device is None or op.device.type != "cpu" or source.written or op.writes:
         return None
     return made, read
+
+
+def _copied_whole(
+    ops: Sequence[Op], indices: Sequence[int], storage: int, layouts: Mapping[int, Layout]
+) -> tuple[int, Layout, Layout] | None:
+    """Where in ``indices`` (the operations touching ``storage``) a ``copy_`` writes all of ``storage``, which the
+    operation before made whole, contiguous from its start, without values anything reads (a factory: a creator or
+    ``empty_like``, which is all a scatter's output is), from a view of another storage of the same sizes and dtype,
+    after nothing but reads of metadata; with the layouts of the whole storage and of the view it copies. To a
+    window the copy is a ``clone`` of that view, and the factory's memory is never made. Else None."""
+    factory = ops[indices[0]]
+    made = _created(factory, storage, layouts, like=True)
+    if made is None:
+        return None
+    for at in range(1, len(indices)):
+        op = ops[indices[at]]
+        if op.func is aten.copy_.default:
+            break
+        facts = facts_of(op.func) if isinstance(op.func, OpOverload) else None
+        if facts is None or not (facts.metadata_read or facts.geometry_read) or storage in op.results.storages:
+            return None  # anything else on the storage before the copy: a view, a read, a write
+    else:
+        return None
+    if len(op.slots) != 2 or op.constant_slots or op.writes != {storage} or op.out_refs != (op.slots[0].ref,):
+        return None
+    target, source = op.slots
+    if target.index != 0 or target.storage != storage or not target.written or not _laid_out(target, made.dtype):
+        return None
+    if layouts.get(target.ref) != made or source.storage == storage or source.written or not source.laid:
+        return None  # the copy writes other than all of what the factory made
+    read = layouts.get(source.ref)
+    if read is None or read.storage == storage or read.size != made.size or read.dtype != made.dtype:
+        return None
+    if not read.size or read.stride[0] <= 0:  # rows of the view found by their offset, as for a clone
+        return None
+    return at, made, read
+
+
+def _clone_index(window: Window) -> int:
+    """The operation that copied all of ``window``'s storage from a view of another (see ``_window``)."""
+    return next(index for index, role in window.roles.items() if role == Role.CLONE)
 
 
 def _laid_out(slot: Slot, dtype: torch.dtype) -> bool:
@@ -688,7 +747,7 @@ def _run(plan: Plan, op: Op, index: int, on: list[Window], env: dict[int, torch.
     if Role.CLONE in roles:
         made = next(window for window in on if window.roles[index] == Role.CLONE)
         assert made.source is not None
-        (slot,) = op.slots
+        slot = op.slots[-1]  # what it copies: a clone's only tensor, a copy_'s source
         copied = windows.get(slot.storage)
         if copied is not None:
             part = copied.view(made.source)
@@ -711,7 +770,8 @@ def _run(plan: Plan, op: Op, index: int, on: list[Window], env: dict[int, torch.
         return True
     if Role.CREATE in roles:
         made = next(window for window in on if window.roles[index] == Role.CREATE)
-        if made.host is None:  # else the window is its host's memory: see memory
+        # Else the window is its host's memory (see memory), or a later copy of all of it from a view makes it.
+        if made.host is None and made.source is None:
             create(op, made, op.arguments(window_arguments(op, windows, env), device, copies=copies))
         return True
     return False
