@@ -280,10 +280,12 @@ class FusedQKV(nn.Module):
     def __init__(self, how: str) -> None:
         super().__init__()
         self.wqkv = nn.Linear(32, 96, bias=False)
-        q, k, v = (torch.empty(32, 32).normal_() for _ in range(3))
         weight = self.wqkv.weight
+        # torchtitan makes q, k and v with new_empty on the weight: reads of its dtype and device, not of its values
+        made = weight.new_empty if how == TORCHTITANS else torch.empty
+        q, k, v = (made(32, 32).normal_() for _ in range(3))
         with torch.no_grad():
-            if how == "a cat":
+            if how in ("a cat", TORCHTITANS):
                 weight.copy_(torch.cat([q, k, v]))
             elif how == "a cat, through a transposed view":
                 weight.t().copy_(torch.cat([q, k, v]).t())
@@ -293,7 +295,8 @@ class FusedQKV(nn.Module):
                 weight[:64].copy_(torch.cat([q, k]))
 
 
-OVERWRITES = ["a cat", "a cat, through a transposed view", "heads interleaved"]
+TORCHTITANS = "a cat of parts made by new_empty on the weight"
+OVERWRITES = ["a cat", "a cat, through a transposed view", "heads interleaved", TORCHTITANS]
 
 
 @pytest.mark.parametrize("how", [*OVERWRITES, "in part"])

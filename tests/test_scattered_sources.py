@@ -171,9 +171,18 @@ def c10d_runs_on_fake_tensors() -> bool:
     return bool(torch._C._dispatch_has_kernel_for_dispatch_key(torch.ops.c10d.broadcast_.default.name(), "Meta"))
 
 
-@pytest.mark.parametrize("collective", list(REFUSED))
-@pytest.mark.parametrize("sharded", [False, True], ids=["kept whole", "then sharded by FSDP2"])
-@pytest.mark.parametrize("rank", [0, 3])
+#: (collective, sharded by FSDP2, rank): every one but rank 3's FSDP2 shard after the scatter, which holds nothing
+#: the scatter wrote (see the test after this one).
+REFUSALS = [
+    (collective, sharded, rank)
+    for collective in REFUSED
+    for sharded in (False, True)
+    for rank in (0, 3)
+    if (collective, sharded, rank) != ("a scatter of real data", True, 3)
+]
+
+
+@pytest.mark.parametrize(("collective", "sharded", "rank"), REFUSALS)
 def test_a_collective_the_replay_does_not_model_is_refused_naming_the_tensor_it_filled(
     collective: str, sharded: bool, rank: int
 ) -> None:
@@ -199,6 +208,28 @@ def test_a_collective_the_replay_does_not_model_is_refused_naming_the_tensor_it_
         ), message
         assert re.search(r"\ncollective: c10d\.\w+\.default\n", message), message
         assert is_deferred(model)  # left as it was
+
+
+def test_a_rank_whose_shard_holds_nothing_a_collective_wrote_materializes_it_as_eager_code_has_it() -> None:
+    # The scatter writes row 0 of the experts, which FSDP2 gives rank 0; rank 3's shard of 5 rows over 4 ranks is
+    # empty, padded with zeros, and its padded shard reads only the experts' dtype and device.
+    reference, state_after_eager = eager(Experts)
+    with fake_world((4,), 3) as mesh:
+        torch.manual_seed(0)
+        model = deferred_init(Experts)
+        if not c10d_runs_on_fake_tensors():
+            pytest.skip("this torch refuses the collective where it is called (see the test above)")
+        scatter_real_chunks(model, mesh)
+        fully_shard(model, mesh=mesh)
+        materialize_module(model)
+        assert not is_deferred(model)
+        experts = model.moe.experts.to_local()  # type: ignore[operator]
+        assert experts.shape == (0, 6, 5)
+        for name in ("tok_embeddings.weight", "output.weight", "output.bias"):
+            full = reference.get_parameter(name)
+            local = model.get_parameter(name).to_local()  # type: ignore[operator]
+            assert torch.equal(local, full.chunk(4)[3]), name  # 11 rows: 3, 3, 3 and rank 3's 2
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
 
 
 @ranks.needs_high_water_mark

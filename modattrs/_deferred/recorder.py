@@ -1058,8 +1058,11 @@ def _promotion_replayed(pending: _Pending, operands: tuple[int, ...], results: l
 
 def _reads(pending: _Pending) -> frozenset[int]:
     """The storages whose values an operation reads: a view reads none (what it views is written later, or
-    before, by operations that count), an overwrite does not read what it overwrites."""
-    if pending.facts.view:
+    before, by operations that count), nor does a read of metadata (``new_empty``, ``empty_like``, the device:
+    torchtitan's fused ``wqkv`` makes its q, k and v so, between the constructor's fill and the copy that overwrites
+    it, which would otherwise be drawn); an overwrite does not read what it overwrites."""
+    facts = pending.facts
+    if facts.view or facts.metadata_read or facts.geometry_read:
         return frozenset()
     return frozenset(slot.storage for slot in pending.slots if slot.storage not in pending.overwrites)
 
