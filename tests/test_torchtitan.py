@@ -12,6 +12,7 @@ tests/test_torchtitan_gloo.py trains a step on real gloo ranks.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -150,3 +151,60 @@ def test_a_rank_of_parallelize_deepseekv3_holds_the_slices_of_torchtitans_eager_
     world: int, rank: int, layout: dict[str, int]
 ) -> None:
     check(deepseek_v3_with_ep if layout.get("ep", 1) > 1 else deepseek_v3, world, rank, layout)
+
+
+def drawn_by_kind(run: Callable[[], object]) -> tuple[int, int, int]:
+    """The elements that the random fills run by ``run`` write, counted by torch's profiler: ``uniform_``'s,
+    ``normal_``'s into windows of a rank's part (1-D: see ``modattrs/_deferred/windows.py``), and ``normal_``'s of
+    whole tensors (a fill the replay does not make alone)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
+        run()
+    uniform = parts = whole = 0
+    for event in profile.events():
+        if event.name not in ("aten::uniform_", "aten::normal_") or not event.input_shapes:
+            continue
+        parent = event.cpu_parent
+        if parent is not None and parent.name == event.name:
+            continue  # the same fill, counted once
+        shape = event.input_shapes[0]
+        elements = math.prod(shape)
+        if event.name == "aten::uniform_":
+            uniform += elements
+        elif len(shape) == 1:
+            parts += elements
+        else:
+            whole += elements
+    return uniform, parts, whole
+
+
+def span_of(full: torch.Tensor, parameter: DTensor) -> int:
+    """How many elements of ``full``, in its order, lie from the first this rank holds to the last (its rows, or
+    the rows a column cut of them runs through)."""
+    region = slice_of(torch.arange(full.numel()).view(full.shape), parameter)
+    return 0 if region.numel() == 0 else int(region.max() - region.min()) + 1
+
+
+@pytest.mark.parametrize("layout", [{}, {"tp": 2}], ids=["fsdp", "fsdp-tp2"])
+def test_a_rank_of_parallelize_llama_draws_no_constructors_fill_and_only_its_own_part_of_each_modelled_weight(
+    layout: dict[str, int],
+) -> None:
+    # torchtitan's fused wqkv is made by a copy_ of a cat of q, k and v, made whole (and drawn whole); its output
+    # layer's trunc_normal_, whose bounds normal_ can reach, is drawn through: both are the "whole" draws. Every
+    # other weight is one normal_ (its trunc_normal_ provably so), drawn over the rank's span alone, however
+    # tensor parallelism sent it (a scatter of rank 0's chunks, torchtitan's default).
+    world, rank = 8, 5
+    reference, state_after_eager = eager(titan.llama3_config)
+    with titan.fake_rank(world, rank):
+        torch.manual_seed(0)
+        model = deferred_init(titan.built_and_initialized, titan.llama3_config())
+        model = titan.parallelize(model, titan.parallel_dims(world, **layout))
+        uniform, parts, _ = drawn_by_kind(lambda: materialize_module(model, threads=1))
+        assert_eager_slices(model, reference, f"rank {rank} of {world} ({layout})")
+        spans = {
+            name: span_of(reference.get_parameter(name), parameter)
+            for name, parameter in model.named_parameters()
+            if "wqkv" not in name and "lm_head" not in name and isinstance(parameter, DTensor)
+        }
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+    assert uniform == 0, f"drew {uniform} elements of constructors' kaiming_uniform_, which init_weights overwrites"
+    assert parts <= sum(spans.values()) + 2 * 16 * len(spans)  # normal_ draws blocks of 16 at a part's ends
