@@ -587,10 +587,10 @@ def _cloned(op: Op, storage: int, layouts: Mapping[int, Layout]) -> tuple[Layout
 def _copied_whole(
     ops: Sequence[Op], indices: Sequence[int], storage: int, layouts: Mapping[int, Layout]
 ) -> tuple[int, Layout, Layout] | None:
-    """Where in ``indices`` (the operations touching ``storage``) a ``copy_`` writes all of ``storage``, which the
-    operation before made whole, contiguous from its start, without values anything reads (a factory: a creator or
-    ``empty_like``, which is all a scatter's output is), from a view of another storage of the same sizes and dtype,
-    after nothing but reads of metadata; with the layouts of the whole storage and of the view it copies. To a
+    """Where in ``indices`` (the operations touching ``storage``) a ``copy_`` writes all of ``storage`` from a view
+    of another storage of the same sizes and dtype, when the first of them made it whole, contiguous from its start,
+    with values nothing reads (a factory: a creator, or ``empty_like``, which is all a scatter's output is), and
+    those in between only read its metadata; with the layouts of the whole storage and of the view copied. To a
     window the copy is a ``clone`` of that view, and the factory's memory is never made. Else None."""
     factory = ops[indices[0]]
     made = _created(factory, storage, layouts, like=True)
