@@ -573,15 +573,25 @@ def _cloned(op: Op, storage: int, layouts: Mapping[int, Layout]) -> tuple[Layout
     ref = op.out_refs[0]
     made = layouts.get(ref) if ref is not None else None
     read = layouts.get(source.ref)
-    if made is None or read is None or made.storage != storage or read.storage == storage or not source.laid:
+    if made is None or read is None or made.storage != storage or not source.laid:
         return None
-    if made.offset != 0 or not _contiguous(made) or made.size != read.size or made.dtype != read.dtype:
-        return None
-    if not read.size or read.stride[0] <= 0:  # rows of the view found by their offset: an expanded dim 0 has none
+    if made.offset != 0 or not _contiguous(made) or not _rows_copied(made, read):
         return None
     if op.device is None or op.device.type != "cpu" or source.written or op.writes:
         return None
     return made, read
+
+
+def _rows_copied(made: Layout, read: Layout) -> bool:
+    """Whether ``read``, a view of another storage than ``made``'s, copied into all of ``made``, gives each of its
+    rows from a row of the view of the same sizes and dtype, found by its offset (an expanded dim 0 has none)."""
+    return (
+        read.storage != made.storage
+        and read.size == made.size
+        and read.dtype == made.dtype
+        and bool(read.size)
+        and read.stride[0] > 0
+    )
 
 
 def _copied_whole(
@@ -613,9 +623,7 @@ def _copied_whole(
     if layouts.get(target.ref) != made or source.storage == storage or source.written or not source.laid:
         return None  # the copy writes other than all of what the factory made
     read = layouts.get(source.ref)
-    if read is None or read.storage == storage or read.size != made.size or read.dtype != made.dtype:
-        return None
-    if not read.size or read.stride[0] <= 0:  # rows of the view found by their offset, as for a clone
+    if read is None or not _rows_copied(made, read):
         return None
     return at, made, read
 
