@@ -388,7 +388,7 @@ def _window(
     storage: int,
     indices: list[int],
     target_spans: list[range],
-    pattern_of: Callable[[int], rng.Pattern | None],
+    pattern_of: Callable[[int], rng.Modelled | None],
     copied: Mapping[int, Layout],
 ) -> Window | None:
     ops, layouts = record.ops, record.layouts
@@ -413,7 +413,7 @@ def _window(
         return None  # a target on a copy (a deep copy's view) keeps its place in the whole copy, as in eager code
     spans = list(target_spans)
     partial: dict[int, range] = {}
-    patterns: dict[int, rng.Pattern] = {}
+    patterns: dict[int, rng.Modelled] = {}
     for index in later:
         op = ops[index]
         on = [slot for slot in op.slots if slot.storage == storage]
@@ -421,13 +421,13 @@ def _window(
             if not _laid_out(slot, whole.dtype):
                 return None  # a ref whose geometry changed in place, not laid out, or in another dtype
         func = op.func
-        if not isinstance(func, OpOverload):
-            return None  # an opaque initializer: its effect on a part is unknown
+        if not isinstance(func, OpOverload) and storage not in op.writes:
+            return None  # an opaque initializer reading it: what it reads is unknown
         made = op.results
         facts = facts_of(func)
         written = [slot for slot in on if slot.written]
         if not written and storage not in op.writes:
-            if func.is_view and not made.unlaid and made.storages <= {storage}:
+            if facts.view and not made.unlaid and made.storages <= {storage}:
                 if not made.dtypes <= {whole.dtype}:
                     return None
                 roles[index] = Role.VIEW
@@ -449,6 +449,8 @@ def _window(
         if pattern is not None:
             roles[index] = Role.DRAW
             patterns[index] = pattern
+        elif not isinstance(func, OpOverload):
+            return None  # an opaque initializer: its effect on a part is unknown unless modelled (rng.rejection)
         elif op.draws.value == 0 and facts.elementwise:
             roles[index] = Role.ELEMENTWISE
             if not covers:

@@ -53,7 +53,7 @@ import torch
 
 from modattrs._torch_private import disable_current_modes
 
-__all__ = ["OneNormal", "as_one_normal", "helper_draws_one_normal"]
+__all__ = ["NormalRounds", "OneNormal", "as_normal_rounds", "as_one_normal", "helper_draws_one_normal"]
 
 Z_MAX = math.sqrt(106 * math.log(2))  # the largest |z| torch's CPU normal_ returns (see the Note)
 REACH = 3 * Z_MAX  # how many standard deviations the bounds must lie beyond
@@ -80,6 +80,45 @@ def as_one_normal(
 ) -> OneNormal | None:
     """The one ``normal_`` that ``helper(*args, **kwargs)`` (``_no_grad_trunc_normal_``) is on a tensor of
     ``dtype``, or None where that cannot be proven (see Note [trunc_normal_ as one normal_])."""
+    call = _normal_rounds(helper, dtype, args, kwargs)
+    if call is None:
+        return None
+    mean, std, lo, hi, generator = call
+    mean_f, std_f = float(mean), float(std)
+    info = torch.finfo(dtype)
+    reach = abs(mean_f) + REACH * std_f
+    margin = 8 * info.eps * reach + info.tiny
+    if reach + margin > info.max / 2:
+        return None
+    if not (lo <= mean_f - REACH * std_f - margin and hi >= mean_f + REACH * std_f + margin):
+        return None
+    return OneNormal(mean, std, generator)
+
+
+class NormalRounds(NamedTuple):
+    """A ``trunc_normal_`` call the helper samples by rounds of ``normal_(mean, std, generator=generator)``, and
+    the bounds, cast to the tensor's dtype, outside which an element is drawn again."""
+
+    mean: Any
+    std: Any
+    lo: float
+    hi: float
+    generator: torch.Generator | None
+
+
+def as_normal_rounds(
+    helper: Callable[..., Any], dtype: torch.dtype, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> NormalRounds | None:
+    """What ``helper(*args, **kwargs)`` (``_no_grad_trunc_normal_``) draws on a tensor of ``dtype`` when it takes
+    its ``normal_`` branch (the helper's ``p > 0.3``): rounds of ``normal_`` and the bounds it checks them against.
+    None for arguments outside what Note [trunc_normal_ as one normal_] lists (the bounds aside), and for the
+    helper's other branch. Whether this process's helper does so is not checked here."""
+    return _normal_rounds(helper, dtype, args, kwargs)
+
+
+def _normal_rounds(
+    helper: Callable[..., Any], dtype: torch.dtype, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> NormalRounds | None:
     try:
         bound = _signature(helper).bind(*args, **kwargs)
     except TypeError:
@@ -104,19 +143,10 @@ def as_one_normal(
         return None
     if _mass_inside(mean_f, std_f, a_f, b_f) <= 0.3:
         return None
-    info = torch.finfo(dtype)
-    reach = abs(mean_f) + REACH * std_f
-    margin = 8 * info.eps * reach + info.tiny
-    if reach + margin > info.max / 2:
-        return None
     lo, hi = _in_dtype(a, dtype), _in_dtype(b, dtype)
-    if (
-        lo is None
-        or hi is None
-        or not (lo <= mean_f - REACH * std_f - margin and hi >= mean_f + REACH * std_f + margin)
-    ):
+    if lo is None or hi is None:
         return None
-    return OneNormal(mean, std, generator)
+    return NormalRounds(mean, std, lo, hi, generator)
 
 
 def helper_draws_one_normal(helper: Callable[..., Any]) -> bool:

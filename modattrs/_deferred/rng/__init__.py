@@ -20,6 +20,7 @@ JAX's ``jax/_src/prng.py`` do.
 
 from modattrs._deferred.rng.draws import JUMP_COST, PAIRS, Pattern, count_depends_on_values
 from modattrs._deferred.rng.generator import (
+    Modelled,
     Walk,
     drew,
     filled_on_threads,
@@ -39,6 +40,7 @@ from modattrs._deferred.rng.generator import (
 __all__ = [
     "JUMP_COST",
     "PAIRS",
+    "Modelled",
     "Pattern",
     "Walk",
     "count_depends_on_values",

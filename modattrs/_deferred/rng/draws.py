@@ -342,6 +342,24 @@ class Pattern:
         last, position = end
         return values, (None if last is None else last.get_state()), position
 
+    def draw_runs(
+        self, state: torch.Tensor, ahead: int, runs: Sequence[range], out: torch.Tensor, offset: int
+    ) -> tuple[torch.Tensor | None, int]:
+        """Write elements ``runs`` (sorted, at least a block of 16 apart, each drawn from where the one before
+        stopped, the gaps jumped) into ``out``, a real 1-D CPU tensor holding the result's elements from ``offset``
+        on, from ``state``, ``ahead`` outputs before the operation's first; return where the last private generator
+        stopped, as ``draw_with_end`` does."""
+        end: torch.Tensor | None = state
+        position = -ahead  # outputs after the operation's first: the generator is `ahead` outputs before it
+        for run in runs:
+            part = out[run.start - offset : run.stop - offset]
+            assert end is not None
+            if position < 0:
+                _, end, position = self.draw_with_end(end, run.start, run.stop, ahead=-position, out=part)
+            else:
+                _, end, position = self.draw_with_end(end, run.start, run.stop, behind=position, out=part)
+        return end, position
+
     def state_after(self, state: torch.Tensor) -> torch.Tensor:
         """The generator's state after the whole operation from ``state``: ``jumped_state(state, outputs)``, with the
         Box-Muller cache as the scalar ``normal_`` path leaves it (``PAIRS``)."""

@@ -67,12 +67,15 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from modattrs._deferred.record import Copies, DeferredInitError, Op, Point, Position, Record, scratch_arguments
-from modattrs._deferred.rng import draws
+from modattrs._deferred.rng import draws, rejection
 from modattrs._deferred.rng.mt19937 import jumped_state
 from modattrs._deferred.slicing import keep_results, slice_of
 from modattrs._torch_private import FakeTensor, OpOverload, disable_current_modes, written_arguments
 
 __all__: list[str] = []
+
+#: A draw whose parts a walk draws: a kernel ``draws`` models, or a ``trunc_normal_`` of known rounds.
+Modelled = draws.Pattern | rejection.Rejection
 
 # Held by every recorded operation, every replay, and the wrapped functions: they all read or set the generator.
 lock = threading.RLock()
@@ -332,7 +335,7 @@ class Walk:
         self.pending = 0  # ... but for this many outputs, which it is yet to be jumped over
         self._scratch: dict[int, torch.Tensor] = {}  # memory the draws it runs without keeping write into
         self._outputs: dict[int, int | None] = {}  # by draw: see _outputs_of
-        self._patterns: dict[int, draws.Pattern | None] = {}  # by draw: see pattern_of
+        self._patterns: dict[int, Modelled | None] = {}  # by draw: see pattern_of
 
     def is_draw(self, index: int) -> bool:
         at = bisect.bisect_left(self.draws, index)
@@ -360,18 +363,9 @@ class Walk:
         the gaps jumped (Note [A window drawn as runs] in ``windows``)."""
         pattern = self._modelled(index)
         state, ahead = self._ahead_of(index)
-        end: torch.Tensor | None = state
-        position = -ahead  # outputs after the fill's first: the generator is `ahead` outputs before it
-        for run in runs:
-            part = out[run.start - offset : run.stop - offset]
-            assert end is not None
-            if position < 0:
-                _, end, position = pattern.draw_with_end(end, run.start, run.stop, ahead=-position, out=part)
-            else:
-                _, end, position = pattern.draw_with_end(end, run.start, run.stop, behind=position, out=part)
-        self._drew_part(index, end, position)
+        self._drew_part(index, *pattern.draw_runs(state, ahead, runs, out, offset))
 
-    def _modelled(self, index: int) -> draws.Pattern:
+    def _modelled(self, index: int) -> Modelled:
         found = self.pattern_of(index)
         assert found is not None, f"a part drawn of operation {index}, which draws does not model"
         return found
@@ -443,7 +437,7 @@ class Walk:
                 _set_state(self._reset_of(index))
             elif behind == 0 and index not in self.states:
                 self.states[index] = _get_state()
-            outputs = self._outputs_of(index)
+            outputs = self._outputs_of(index, functools.partial(_jumped_from_here, behind))
             if outputs is not None:
                 behind += outputs
                 continue
@@ -455,9 +449,10 @@ class Walk:
         self.pending = behind
         self.live = count
 
-    def pattern_of(self, index: int) -> draws.Pattern | None:
+    def pattern_of(self, index: int, state: Callable[[], torch.Tensor] | None = None) -> Modelled | None:
         """How the operation at ``index`` reads the default CPU generator, if it is a draw from it that ``draws``
-        models; else None."""
+        or ``rejection`` models; else None. A ``trunc_normal_`` the first time: its rounds are found from the state
+        before it (``state()``, else worked out by reaching it) and noted in the record."""
         if not self.is_draw(index):
             return None
         if index not in self._patterns:
@@ -466,19 +461,33 @@ class Walk:
             found = _PATTERNS.get(key, _UNKNOWN) if key is not None else _UNKNOWN
             if found is _UNKNOWN:
                 args, kwargs = op.arguments(scratch_arguments(op, _META), self.device)
-                found = draws.pattern(op.func, args, kwargs)
+                found = draws.pattern(op.func, args, kwargs) or rejection.sampler(op.func, args, kwargs)
                 if key is not None:
                     if len(_PATTERNS) >= _PATTERNS_KEPT:
                         _PATTERNS.clear()
                     _PATTERNS[key] = found
+            if isinstance(found, rejection.RejectionSampler) and not isinstance(found, rejection.Rejection):
+                rounds = self.record.rounds.get(index)
+                if rounds is None:
+                    before = self._state_before(index) if state is None else state()
+                    rounds = self.record.rounds[index] = found.rounds_from(before)
+                found = found.in_rounds(rounds)
             self._patterns[index] = found
         return self._patterns[index]
 
-    def _outputs_of(self, index: int) -> int | None:
+    def _state_before(self, index: int) -> torch.Tensor:
+        """The state the draw at ``index`` draws from, the walk moved there."""
+        if self.record.ops[index].reset is not None:
+            return self._reset_of(index)
+        self.reach(index)
+        return _get_state()
+
+    def _outputs_of(self, index: int, state: Callable[[], torch.Tensor] | None = None) -> int | None:
         """How many outputs of the generator the draw at ``index`` takes, when that does not depend on the state
-        and ``draws`` models it; else None, and the draw is run (see Note [Reaching a draw by jumping])."""
+        and ``draws`` models it; else None, and the draw is run (see Note [Reaching a draw by jumping]). ``state``:
+        the state before it, for ``pattern_of``."""
         if index not in self._outputs:
-            found = self.pattern_of(index)
+            found = self.pattern_of(index, state)
             modelled = found is not None and found.kind is not draws.PAIRS  # PAIRS: counts depend on the state
             self._outputs[index] = found.outputs(_get_state()) if modelled and found is not None else None
         return self._outputs[index]
@@ -546,7 +555,7 @@ def _draws_for(record: Record, device: torch.device | None) -> tuple[list[int], 
 
 # The patterns of calls seen before, by what decides them (``_call_key``): a model's identical layers make the same
 # calls, each of which would cost ``draws.pattern`` about 70 us again. Patterns are frozen; shared by records.
-_PATTERNS: dict[tuple[Any, ...], draws.Pattern | None] = {}
+_PATTERNS: dict[tuple[Any, ...], draws.Pattern | rejection.RejectionSampler | None] = {}
 _PATTERNS_KEPT = 4096
 _UNKNOWN: Any = object()
 
@@ -627,6 +636,10 @@ def _forget_point_of(record: Record) -> None:
 def remembered_bytes(record: Record) -> int:
     """The memory that states remembered for ``record``'s replays take."""
     return sum(state.nbytes for states in record.states.values() for state in states.values())
+
+
+def _jumped_from_here(outputs: int) -> torch.Tensor:
+    return jumped_state(_get_state(), outputs)
 
 
 def _get_state() -> torch.Tensor:
