@@ -256,3 +256,19 @@ def test_neither_deferred_init_nor_a_rank_holds_a_weight_drawn_in_rounds_whole()
     with sharded(WideHead, size, rank) as model:
         assert largest_allocation(lambda: materialize_module(model, threads=1)) <= weight_bytes // size
         assert torch.equal(bits(model.weight.to_local()), bits(shard_of(reference.weight, size, rank)))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_whole_materialization_draws_rounds_of_normal_into_the_weight_without_the_helpers_temporaries(
+    threads: int,
+) -> None:
+    weight_bytes = 2048 * 8192 * 4
+    reference, state_after_eager = eager(WideHead)
+    torch.manual_seed(0)
+    model = deferred_init(WideHead)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        materialize_module(model, threads=threads)
+    # the weight is the one allocation of its size (the helper makes a fresh draw and a merge each round)
+    assert [event.cpu_memory_usage >= weight_bytes for event in profile.events()].count(True) == 1
+    assert torch.equal(bits(model.weight), bits(reference.weight))
+    assert torch.equal(torch.get_rng_state(), state_after_eager)

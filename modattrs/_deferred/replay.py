@@ -65,10 +65,21 @@ def _run_kept(
         if not plan.run(index, env, wanted):
             tensors = plan.arguments(index, env)  # None unless it reads windows: then run on one thread
             draws = walk.is_draw(index)
+            modelled = walk.pattern_of(index) if draws else None
             if draws:
                 walk.before(index)
             on_threads = threads if draws and tensors is None else 1
-            _run(ops[index], env, wanted, device, plan.copies, on_threads, tensors=tensors, func=unfilled.get(index))
+            _run(
+                ops[index],
+                env,
+                wanted,
+                device,
+                plan.copies,
+                on_threads,
+                tensors=tensors,
+                func=unfilled.get(index),
+                rounds=modelled if isinstance(modelled, rng.Rejection) else None,
+            )
             if draws:
                 walk.ran(index)
             plan.release_after(index)
@@ -200,11 +211,20 @@ def _run(
     *,
     tensors: dict[int, torch.Tensor] | None = None,
     func: OpOverload | None = None,
+    rounds: rng.Rejection | None = None,
 ) -> None:
+    """Run ``op`` on the tensors of ``env`` (or ``tensors``), as ``func`` if given; a random fill on ``threads``
+    threads where ``rng`` models it so, and a ``trunc_normal_`` of known ``rounds`` as its model draws it (Note
+    [trunc_normal_ as rounds of normal_] in ``rng.rejection``): the same values, without the helper's temporaries."""
     if tensors is None:
         tensors = {slot.index: env[slot.ref] for slot in op.slots}
     args, kwargs = op.arguments(tensors, device, copies=copies)
-    result = rng.filled_on_threads(op.func, args, kwargs, threads) if threads > 1 else None
+    result = None
+    if rounds is not None and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
+        torch.default_generator.set_state(rounds.draw_into(args[0], torch.default_generator.get_state(), threads))
+        result = args[0]
+    elif threads > 1:
+        result = rng.filled_on_threads(op.func, args, kwargs, threads)
     if result is None:
         result = (func or op.func)(*args, **kwargs)
     keep_results(op, result, env, wanted, device, copies)

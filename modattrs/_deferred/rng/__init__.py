@@ -36,12 +36,14 @@ from modattrs._deferred.rng.generator import (
     state_at,
     undone_on_failure,
 )
+from modattrs._deferred.rng.rejection import Rejection
 
 __all__ = [
     "JUMP_COST",
     "PAIRS",
     "Modelled",
     "Pattern",
+    "Rejection",
     "Walk",
     "count_depends_on_values",
     "drew",

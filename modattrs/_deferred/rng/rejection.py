@@ -142,6 +142,25 @@ class Rejection(RejectionSampler):
             positions = positions[self._out_of_bounds(values)]
         return (None, 0) if position <= 0 else (end, position)
 
+    def draw_into(self, out: torch.Tensor, state: torch.Tensor, threads: int) -> torch.Tensor:
+        """Write the whole result into ``out`` (a real contiguous CPU tensor of the call's layout) from ``state``,
+        round 0 on up to ``threads`` threads (``Pattern.draw_into``), then each later round only where elements are
+        still out of bounds; return the generator's state after the call. Holds ``out`` and the positions, where
+        the helper holds three more tensors of its size."""
+        normal = self.normal
+        normal.draw_into(out, state, threads)
+        flat = out.detach().view(-1)
+        found = [self._out_of_bounds(flat[a:b]).nonzero().flatten().add_(a) for a, b in _chunks(normal, 0, self.numel)]
+        positions = torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
+        end, position, per_round = state, 0, normal.outputs(state)
+        for round_ in range(1, self.rounds):
+            if not positions.numel():
+                break
+            values, end, position = _at(normal, end, position, round_ * per_round, positions)
+            flat[positions] = values
+            positions = positions[self._out_of_bounds(values)]
+        return self.state_after(state)
+
 
 def _drawn(
     normal: draws.Pattern,
