@@ -317,3 +317,61 @@ def test_a_fill_a_copy_overwrites_whole_is_jumped_over_not_drawn_and_values_are_
         assert drawn == 0, f"drew {drawn} elements of the constructor's kaiming_uniform_"
     else:
         assert drawn > 0  # the rows the copy leaves are the constructor's
+
+
+class Concatenated(nn.Module):
+    """A weight that a ``copy_`` overwrites with a ``cat`` of parts drawn whole, each ``normal_`` (no generator
+    state between them), in several layouts: torchtitan's KV groups and simpler ones, and, as a control, a part
+    that is not contiguous."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        groups, per_group, head, width = 4, 2, 8, 64
+        self.proj = nn.Linear(width, groups * (per_group + 2) * head, bias=False)
+        weight = self.proj.weight
+        q = weight.new_empty(groups * per_group * head, width)
+        k = weight.new_empty(groups * head, width)
+        v = weight.new_empty(groups * head, width)
+        for part in (q, k, v):
+            nn.init.trunc_normal_(part, std=0.02)  # one normal_: see Note [trunc_normal_ as one normal_]
+        if layout == "kv groups":  # torchtitan's fused wqkv (models/common/config_utils.py)
+            parts = [
+                q.view(groups, per_group, head, width),
+                k.view(groups, 1, head, width),
+                v.view(groups, 1, head, width),
+            ]
+            fused = torch.cat(parts, dim=1).view(-1, width)
+        elif layout == "rows":
+            fused = torch.cat([q, k, v])
+        elif layout == "columns":
+            fused = torch.cat([q.view(-1, 4 * width), k.view(-1, 2 * width), v.view(-1, 2 * width)], dim=1)
+            fused = fused.view(-1, width)
+        else:  # a part read through a transposed view
+            turned = q.view(width, -1).t()
+            fused = torch.cat([turned, k.view(-1, width)[: turned.shape[0]], v.view(-1, width)[: turned.shape[0]]])
+            fused = fused.reshape(-1, width)[: weight.shape[0]]
+        with torch.no_grad():
+            weight.copy_(fused)
+
+
+CAT_LAYOUTS = ["kv groups", "rows", "columns"]
+
+
+@pytest.mark.parametrize("layout", [*CAT_LAYOUTS, "a transposed part"])
+@pytest.mark.parametrize(("size", "rank"), [(8, 0), (8, 3), (8, 7), (64, 63)], ids=str)
+def test_a_rank_draws_only_the_runs_of_the_parts_its_rows_of_a_cat_come_from(layout: str, size: int, rank: int) -> None:
+    make = lambda: Concatenated(layout)  # noqa: E731
+    reference, state_after_eager = eager(make)
+    with fake_world((size,), rank) as mesh:
+        model = sharded(make, mesh)
+        drawn = drawn_while_materializing(model)
+        own = model.proj.weight.to_local()
+        assert_same_bits(shard_of(reference.proj.weight, size, rank), own, f"{layout}, rank {rank} of {size}")
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+    assert drawn["uniform_"] == 0  # the constructor's kaiming_uniform_ is overwritten whole
+    whole = reference.proj.weight.numel()
+    if layout in CAT_LAYOUTS:
+        # a run of each part per KV group at most, each drawn in blocks of 16 (at most 15 more at either end)
+        assert drawn["normal_"] <= own.numel() + 2 * 16 * (3 * 4 + 2), f"drew {drawn['normal_']} for {own.numel()}"
+    else:  # an input the replay does not cut (not contiguous): drawn whole, with eager's values
+        assert drawn["normal_"] >= whole // 2

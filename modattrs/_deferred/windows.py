@@ -123,6 +123,7 @@ class Role:
     # the copy that made the storage whole, contiguous, from a view of another (a clone, or a copy_ into what a
     # factory made): copies the window
     CLONE = "clone"
+    CAT = "cat"  # the cat that made the storage whole, contiguous, from contiguous inputs: copies their parts
     COPIED = "copied"  # the copy of the window into its host: not run
 
 
@@ -163,6 +164,9 @@ class Window:
     # within start:stop, holding every element anything kept reads; the rest of the window is never read.
     segments: tuple[range, ...] = ()
     source: Layout | None = None  # for a window made by a CLONE: the part of the view copied that lands in it
+    # For a window made by a CAT: where in the window each part of an input lands (element, then the part: a run
+    # of its input's storage), in the order of the window's elements.
+    parts: tuple[tuple[int, Layout], ...] = ()
 
     def memory(self) -> torch.Tensor:
         """The window's memory, made now if it is not yet: its part of its host, or else its creator's result. The
@@ -284,17 +288,17 @@ def _plan(
         else:
             spans.setdefault(storage, []).extend(_runs(layout))
     found: dict[int, Window] = {}
-    copied: dict[int, Layout] = {}  # a CLONE's index -> the part of its source it copies into its window
-    # Last touched first: a storage copied from another (a CLONE) is planned before the storage it copies from,
-    # whose window then holds only the part copied.
-    for storage in reversed(touching):
+    copied: dict[int, list[Layout]] = {}  # a CLONE's or CAT's index -> the parts of its sources it copies
+    # A storage copied from others (a CLONE, a CAT) is planned before the storages it copies from, whose windows
+    # then hold only the parts copied.
+    for storage in _copies_first(record, touching):
         if storage in whole:
             continue
         window = _window(record, storage, touching[storage], spans.get(storage, []), walk.pattern_of, copied)
         if window is not None:
             found[storage] = window
-            if window.source is not None:
-                copied[_clone_index(window)] = window.source
+            for index in _copies_of(window):
+                copied[index] = [window.source] if window.source is not None else [part for _, part in window.parts]
     windows = {storage: found[storage] for storage in touching if storage in found}
     for storage, window in windows.items():
         if storage not in spans:
@@ -307,6 +311,44 @@ def _plan(
         if storage not in spans and window.host is None:
             window.host = _clone_host(window, clones)
     return windows
+
+
+def _copies_first(record: Record, touching: Mapping[int, list[int]]) -> list[int]:
+    """The storages of ``touching`` (in the order of their first touch), each before those it may be copied from:
+    what the first operation on it reads (a ``clone``, a ``cat``), and what the first ``copy_`` into it after
+    metadata reads reads (see ``_copied_whole``). Most storages are made before what is copied from them, so this is
+    mostly last touched first; a weight made by its constructor and later overwritten by a ``copy_`` of a ``cat`` is
+    made before its source."""
+    ops = record.ops
+    sources: dict[int, list[int]] = {}
+    for storage, indices in touching.items():
+        read = [slot.storage for slot in ops[indices[0]].slots]
+        for index in indices[1:]:
+            op = ops[index]
+            if op.func is aten.copy_.default and storage in op.writes:
+                read.extend(slot.storage for slot in op.slots)
+                break
+            facts = facts_of(op.func) if isinstance(op.func, OpOverload) else None
+            if facts is None or not (facts.metadata_read or facts.geometry_read):
+                break
+        sources[storage] = [source for source in read if source != storage and source in touching]
+    finished: list[int] = []  # each after the storages it is copied from: reversed, before them
+    seen: set[int] = set()
+    for root in touching:  # an iterative depth-first search: chains of copies may be long
+        if root in seen:
+            continue
+        seen.add(root)
+        stack = [(root, iter(sources[root]))]
+        while stack:
+            storage, rest = stack[-1]
+            source = next(rest, None)
+            if source is None:
+                stack.pop()
+                finished.append(storage)
+            elif source not in seen:
+                seen.add(source)
+                stack.append((source, iter(sources[source])))
+    return finished[::-1]
 
 
 def _first_touch(record: Record) -> Callable[[int], tuple[int, int]]:
@@ -389,24 +431,33 @@ def _window(
     indices: list[int],
     target_spans: list[range],
     pattern_of: Callable[[int], rng.Modelled | None],
-    copied: Mapping[int, Layout],
+    copied: Mapping[int, list[Layout]],
 ) -> Window | None:
     ops, layouts = record.ops, record.layouts
-    whole = _created(ops[indices[0]], storage, layouts)
-    cloned = None
+    whole: Layout | None
+    cloned: Layout | None = None
+    concatenated: tuple[Layout, int, list[Layout]] | None = None
     roles = {indices[0]: Role.CREATE}
     later = indices[1:]
+    # A factory whose memory a copy_ then writes all of (a creator too: torchtitan's fused wqkv, made by nn.Linear
+    # and overwritten by a copy_ of a cat) makes nothing (see the CREATE role in _run).
+    copy = _copied_whole(ops, indices, storage, layouts)
+    if copy is not None:
+        at, whole, cloned = copy
+        roles.update(dict.fromkeys(indices[1:at], Role.METADATA))
+        roles[indices[at]] = Role.CLONE
+        later = indices[at + 1 :]
+    else:
+        whole = _created(ops[indices[0]], storage, layouts)
     if whole is None:
         whole, cloned = _cloned(ops[indices[0]], storage, layouts) or (None, None)
         if whole is not None:
             roles[indices[0]] = Role.CLONE
     if whole is None:
-        copy = _copied_whole(ops, indices, storage, layouts)
-        if copy is not None:  # the factory before it makes nothing (see the CREATE role in _run)
-            at, whole, cloned = copy
-            roles.update(dict.fromkeys(indices[1:at], Role.METADATA))
-            roles[indices[at]] = Role.CLONE
-            later = indices[at + 1 :]
+        concatenated = _catted(ops[indices[0]], storage, layouts)
+        if concatenated is not None:
+            whole = concatenated[0]
+            roles[indices[0]] = Role.CAT
     if whole is None or _covered(target_spans, math.prod(whole.size)):
         return None  # not made whole by a factory, or all of it is a target's (FSDP2's padded shard)
     if cloned is not None and target_spans:
@@ -437,9 +488,12 @@ def _window(
                 return None  # makes a tensor on this storage without being a view
             else:
                 roles[index] = Role.READ
-                part = copied.get(index)  # a CLONE into a window copies only this part
+                parts = copied.get(index)  # a CLONE or CAT into a window copies only these parts
                 for slot in on:
-                    spans.extend(_runs(layouts[slot.ref] if part is None else part))
+                    if parts is None:
+                        spans.extend(_runs(layouts[slot.ref]))
+                    else:
+                        spans.extend(run for part in parts if part.storage == storage for run in _runs(part))
             continue
         if len(written) != 1 or len(op.slots) != 1 or op.constant_slots or op.writes != {storage}:
             return None  # writes from another tensor, or through several arguments
@@ -486,7 +540,14 @@ def _window(
         return None  # straddles the window's edge
     if any(pattern.kind == rng.PAIRS for pattern in patterns.values()):
         segments = (range(start, stop),)  # the scalar path's cached normal: drawn from the window's start
-    return Window(storage, whole.dtype, start, stop, roles, indices[-1], segments=segments, source=source)
+    landing: tuple[tuple[int, Layout], ...] = ()
+    if concatenated is not None:
+        landing = _cat_parts(*concatenated, segments, start)
+        if not landing or len(landing) > _MOST_RUNS:
+            return None
+    return Window(
+        storage, whole.dtype, start, stop, roles, indices[-1], segments=segments, source=source, parts=landing
+    )
 
 
 def _gap_drawn(dtype: torch.dtype) -> int:
@@ -630,9 +691,77 @@ def _copied_whole(
     return at, made, read
 
 
+def _catted(op: Op, storage: int, layouts: Mapping[int, Layout]) -> tuple[Layout, int, list[Layout]] | None:
+    """The layouts of the whole storage, the dimension and the layouts of the inputs, if ``op`` is a ``cat`` that
+    made ``storage`` whole, contiguous from its start, of contiguous tensors of other storages in its dtype (the
+    views of q, k and v that torchtitan's fused ``wqkv`` is copied from): each run of its elements within one slice
+    of that dimension is a run of one input's, so a window of it is copied from runs of its inputs. Else None."""
+    if op.func is not aten.cat.default or op.constant_slots or len(op.out_refs) != 1 or op.writes:
+        return None
+    if op.device is None or op.device.type != "cpu":
+        return None
+    ref = op.out_refs[0]
+    made = layouts.get(ref) if ref is not None else None
+    if made is None or made.storage != storage or made.offset != 0 or not made.size or not _contiguous(made):
+        return None
+    inputs: list[Layout] = []
+    for slot in sorted(op.slots, key=lambda slot: slot.index):  # the list's tensors, in order
+        read = layouts.get(slot.ref)
+        if read is None or slot.storage == storage or slot.written or not _laid_out(slot, made.dtype):
+            return None
+        if len(read.size) != len(made.size) or not _contiguous(read):
+            return None
+        inputs.append(read)
+    args, kwargs = op.arguments({}, None)
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if type(dim) is not int or not inputs:
+        return None
+    dim %= len(made.size)
+    if sum(read.size[dim] for read in inputs) != made.size[dim]:
+        return None
+    if any(read.size[:dim] != made.size[:dim] or read.size[dim + 1 :] != made.size[dim + 1 :] for read in inputs):
+        return None
+    return made, dim, inputs
+
+
+def _cat_parts(
+    made: Layout, dim: int, inputs: Sequence[Layout], segments: Sequence[range], start: int
+) -> tuple[tuple[int, Layout], ...]:
+    """Where each run of an input that the elements ``segments`` of a ``cat`` of ``inputs`` along ``dim`` come
+    from lands in a window beginning at element ``start``: the element of the window, and the run."""
+    inner = math.prod(made.size[dim + 1 :])  # the elements of one slice of `dim`: a run of one input
+    across = made.size[dim]
+    firsts = [0]
+    for read in inputs:
+        firsts.append(firsts[-1] + read.size[dim])
+    parts: list[tuple[int, Layout]] = []
+    for segment in segments:
+        position = segment.start
+        while position < segment.stop:
+            row, within = divmod(position, inner)
+            outer, index = divmod(row, across)
+            which = next(j for j, read in enumerate(inputs) if firsts[j] <= index < firsts[j + 1])
+            read = inputs[which]
+            # the rest of this input's slices within `outer` are adjacent, in its memory as in the result's
+            length = min(segment.stop - position, (firsts[which + 1] - index) * inner - within)
+            first = read.offset + (outer * read.size[dim] + index - firsts[which]) * inner + within
+            parts.append((position - start, Layout(read.storage, first, (length,), (1,), read.dtype)))
+            position += length
+    return tuple(parts)
+
+
+def _copies_of(window: Window) -> list[int]:
+    """The operation that copied ``window``'s elements from parts of other storages (a CLONE, a CAT), if any."""
+    return [index for index, role in window.roles.items() if role in (Role.CLONE, Role.CAT)]
+
+
 def _clone_index(window: Window) -> int:
     """The operation that copied all of ``window``'s storage from a view of another (see ``_window``)."""
-    return next(index for index, role in window.roles.items() if role == Role.CLONE)
+    return _index_of(window, Role.CLONE)
+
+
+def _index_of(window: Window, role: str) -> int:
+    return next(index for index, given in window.roles.items() if given == role)
 
 
 def _laid_out(slot: Slot, dtype: torch.dtype) -> bool:
@@ -768,6 +897,19 @@ def _run(plan: Plan, op: Op, index: int, on: list[Window], env: dict[int, torch.
             made.tensor = aten.clone.default(part, memory_format=torch.contiguous_format).view(-1)
         else:  # copied straight into its part of the host, where the copy into the host would put it
             made.memory().view(part.shape).copy_(part)
+        return True
+    if Role.CAT in roles:
+        made = next(window for window in on if window.roles[index] == Role.CAT)
+        memory = made.tensor = torch.empty(made.stop - made.start, dtype=made.dtype, device="cpu")
+        for at, run in made.parts:
+            inside = windows.get(run.storage)
+            if inside is not None:
+                piece = inside.view(run)
+            else:  # made whole: the run of the input's own tensor
+                given = next(slot for slot in op.slots if slot.storage == run.storage)
+                tensor, read = env[given.ref], layouts[given.ref]
+                piece = tensor.as_strided(run.size, run.stride, tensor.storage_offset() + run.offset - read.offset)
+            memory[at : at + run.size[0]].copy_(piece)
         return True
     if Role.ELEMENTWISE in roles:
         (window,) = on
