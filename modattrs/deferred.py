@@ -209,7 +209,7 @@ def register_opaque_init(owner: object, name: str, *, mutates: int = 0) -> None:
     """Record calls to the function ``owner.name`` as one call, run for real at materialization.
 
     For initializers whose work depends on the values they draw (rejection sampling, like
-    ``torch.nn.init.trunc_normal_``, which modattrs records so already): such code cannot be recorded operation by
+    ``torch.nn.init.trunc_normal_``, which modattrs records itself): such code cannot be recorded operation by
     operation, because fake tensors have no values. The function is replaced in ``owner`` (a module or a class),
     now, by a wrapper that, given a deferred tensor as argument ``mutates`` (by position or by name), records the
     call and returns that tensor; given anything else, it calls the function. The function must write into that

@@ -14,8 +14,9 @@ window is known, the replay allocates the window alone and runs those operations
 - *metadata reads* (``prim.device``, the ``new_*`` factories, which read only dtype and device): given the window;
 - *whole writes* covering the storage, contiguous: a random fill whose consumption of the generator ``rng.draws``
   models draws only the window's elements (``Pattern.draw``, which jumps to the first output they read), and the
-  generator is left where the fill begins, for the walk to jump past it; an elementwise in-place operation with no
-  other tensor argument (``fill_``, ``zero_``, ``mul_`` by a number) runs on the window;
+  generator is left where the fill begins, for the walk to jump past it (so does ``trunc_normal_`` drawn in rounds
+  of ``normal_``, Note [trunc_normal_ as rounds of normal_] in ``rng.rejection``); an elementwise in-place
+  operation with no other tensor argument (``fill_``, ``zero_``, ``mul_`` by a number) runs on the window;
 - *partial writes* of that elementwise kind (``weight[padding_idx].zero_()``) run on the window when their span
   lies within it, and not at all when it lies outside;
 - *readers* (``copy_`` from a shard view, ``clone``, a conversion): run as usual on views of the window, which they
@@ -43,8 +44,18 @@ A storage that a factory made (``empty_like``, ``new_empty``, ...) and a ``copy_
 of another storage of the same sizes and dtype, with nothing but metadata reads in between, is such a copy too (the
 factory's memory is never made: the copy's rows are the window): that is what a scatter of a deferred source
 records (Note [A scatter of a deferred source is the rank's own chunk] in ``recorder``), ``distribute_tensor``'s
-default, and torchtitan's. Storages are planned last touched first, so a copy's window is known before its
-source's.
+default, and torchtitan's. The factory may be a creator: torchtitan's fused ``wqkv`` is ``nn.Linear``'s weight,
+which a ``copy_`` overwrites.
+
+A storage that a ``cat`` made whole, contiguous, of contiguous tensors of other storages (torchtitan's ``wqkv`` is a
+copy of ``cat`` of views of q, k and v along dim 1) has a window too: within one slice of the cat's dimension, a run
+of the result is a run of one input, so the window is copied from runs of its inputs (the *parts*), which are all
+their windows must hold for that reader: a rank draws the runs of q, k and v its rows come from, and nothing of the
+parts it holds none of. An input that is not contiguous makes the ``cat`` whole, as before.
+
+Storages are planned each before those it may be copied from (``_copies_first``), so a copy's window is known
+before its sources'. Planned in another order (a cycle of copies), a source's window covers all that its reader
+reads: wider, never wrong.
 
 Note [A window drawn as runs]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

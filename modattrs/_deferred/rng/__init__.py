@@ -9,6 +9,8 @@ names below; the modules behind them are, top down:
 - ``draws``: models of torch's CPU random kernels (``Pattern``): how many outputs a call takes and which element
   each output goes to, so that any part of a fill is drawn alone, checked against torch at the first use of each
   kind of call.
+- ``rejection``: ``trunc_normal_`` within ``normal_``'s reach as rounds of ``normal_`` (``Rejection``): any part
+  of it drawn alone once its rounds are counted, without holding the tensor.
 - ``mt19937``: jumping the MT19937 state ahead by any number of outputs (``jumped_state``), with the methods this
   CPU has side by side behind one function.
 

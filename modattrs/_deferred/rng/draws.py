@@ -118,8 +118,9 @@ metadata will do.
 Two things ``nn.init`` does that a replay by ranges has to know (measured; each random operation they run is
 modelled): ``trunc_normal_`` on torch 2.13 and 2.15 is rejection sampling (``normal_``, then ``normal_`` again
 into a fresh tensor while any element is out of bounds; or ``uniform_`` candidates and acceptance draws when the
-interval holds under 30% of the mass), so how many operations it runs depends on every element drawn so far; on 2.8
-it is ``uniform_`` then ``erfinv_``, one operation. And ``sparse_`` (all three builds) ignores its ``generator`` for
+interval holds under 30% of the mass), so how many operations it runs depends on every element drawn so far (the
+first kind is modelled as a whole by ``rejection``, on this module's ``normal_``); on 2.8 it is ``uniform_`` then
+``erfinv_``, one operation. And ``sparse_`` (all three builds) ignores its ``generator`` for
 ``randperm``, which draws from the default generator (not modelled).
 
 The catalogue: what decides how many outputs each random operation takes. A replay that reaches a draw it does

@@ -22,35 +22,39 @@ CPU, eager code would have drawn from the reseeded CPU generator.
 
 Replays. To run a draw as eager code did, a replay needs the generator's state right before it: it sets the
 nearest state it knows at or before that point and moves the generator over the draws in between, by jumping where
-it can (Note [The generator where eager code has it]
-When ``deferred_init`` returns, and after each draw recorded later (initialization of a deferred module), the real
-generator is put where eager code would have it: past every draw of the record, by a jump over what ``draws``
-counts and by running on scratch tensors what it does not (``trunc_normal_``, ``randperm``: as a replay to the end
-would). Code that draws before materializing (a new head, a data order, a dropout mask) then gets eager code's
-numbers, and a record so settled is replayed without touching the generator: a full materialization leaves it
-where it finds it, which is where eager code has it. Settling after a draw starts from the state before it (the
-draw's reset: the generator was settled after the previous one), so that it costs that one draw, not a walk of the
-record (Note [Slicing from the needed tensors] in ``slicing``): ``model.apply(init)`` on a deferred model stays
-linear in its draws. Until then (while ``deferred_init`` records, and for a
-record drawn into from inside another ``deferred_init``) the position is a point, as described above.
+it can (Note [Reaching a draw by jumping]) and otherwise by running them on scratch tensors of the same layout,
+freed at once. The states it knows: the one recording began from, the resets noted, the one it holds after the draw
+it ran last, and the states that earlier replays of the record passed through and remembered. So materializing a
+model block by block, in any order, runs each draw a small number of times in all rather than again from the start
+for every block. A remembered state (5 KB for the CPU generator) is dropped when every draw between it and the next
+remembered one has been materialized, or is dead (overwritten before anything reads it): no replay would start
+there. The state after the last draw stays, for replays to the end.
 
-Note [Reaching a draw by jumping]) and otherwise by running them on scratch tensors of the same layout,
-freed at once. The states it knows: the one recording began from, the
-resets noted, the one it holds after the draw it ran last, and the states that earlier replays of the record passed
-through and remembered. So materializing a model block by block, in any order, runs each draw a small number of
-times in all rather than again from the start for every block. A remembered state (5 KB for the CPU generator) is
-dropped when every draw between it and the next remembered one has been materialized, or is dead (overwritten
-before anything reads it): no replay would start there. The state after the last draw stays, for replays to the end.
+Note [The generator where eager code has it]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+When ``deferred_init`` returns, and after each draw recorded later (initialization of a deferred module), the real
+generator is put where eager code would have it: past every draw of the record, by a jump over what ``draws`` counts
+and by running on scratch tensors what it does not (``randperm``, an opaque init: as a replay to the end would). A
+``trunc_normal_`` that ``rejection`` models is jumped over by its rounds, counted once, in chunks (Note
+[trunc_normal_ as rounds of normal_]), and noted in the record (``Record.rounds``). Code that draws before
+materializing (a new head, a data order, a dropout mask) then gets eager code's numbers, and a record so settled is
+replayed without touching the generator: a full materialization leaves it where it finds it, which is where eager
+code has it. Settling after a draw starts from the state before it (the draw's reset: the generator was settled
+after the previous one), so that it costs that one draw, not a walk of the record (Note [Slicing from the needed
+tensors] in ``slicing``): ``model.apply(init)`` on a deferred model stays linear in its draws. Until then (while
+``deferred_init`` records, and for a record drawn into from inside another ``deferred_init``) the position is a
+point, as described above.
 
 Note [Reaching a draw by jumping]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 MT19937 can be moved ahead by any number of outputs without drawing them (``mt19937.jumped_state``: drawing raw
 outputs below five million, a polynomial jump of milliseconds above), and ``draws`` knows how many outputs each
 random operation takes, checked against torch at the first use of each kind of call. So the draws between a known
 state and the one a replay needs are added up and jumped over at once: materializing a head after the body came from
 a checkpoint, or the last block of a model, costs about what its own draws cost, not the whole stream before them.
-A draw ``draws`` does not model (``trunc_normal_``'s rejection sampling, ``randperm``, an opaque init), or whose
-count depends on the state (the Box-Muller pairs of small ``normal_`` calls, which read the cached normal), is run
-as before, after the jump to it. States are remembered only where the generator really is.
+A draw neither ``draws`` nor ``rejection`` models (``randperm``, an opaque init), or whose count depends on the state
+(the Box-Muller pairs of small ``normal_`` calls, which read the cached normal), is run as before, after the jump to
+it. States are remembered only where the generator really is.
 """
 
 from __future__ import annotations
