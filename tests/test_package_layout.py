@@ -117,7 +117,8 @@ def test_every_module_imports_only_its_own_layer_and_those_below_it() -> None:
 #: The layers of deferred init's engine, top down. ``materialize_module`` reads record -> plan -> replay -> swap, each
 #: step a module of its own: a module imports only modules of the layers below its own, never one above it, nor
 #: another of its own layer (siblings stand apart). Exact randomness is one subpackage (``rng``), which the rest
-#: reaches through its face only; inside it, the timeline stands on the kernels' models, which stand on the jump.
+#: reaches through its face only; inside it, the timeline stands on the rounds of trunc_normal_, which stand on the
+#: kernels' models, which stand on the jump.
 ENGINE_LAYERS: list[tuple[str, set[str]]] = [
     ("the face", {"modattrs.deferred"}),
     (
@@ -128,6 +129,7 @@ ENGINE_LAYERS: list[tuple[str, set[str]]] = [
     ("planning what a shard-local replay makes", {"modattrs._deferred.windows"}),
     ("exact randomness, its face", {"modattrs._deferred.rng"}),
     ("the generator timeline", {"modattrs._deferred.rng.generator"}),
+    ("trunc_normal_ as rounds of normal_", {"modattrs._deferred.rng.rejection"}),
     ("the models of torch's random kernels", {"modattrs._deferred.rng.draws"}),
     ("the jump", {"modattrs._deferred.rng.mt19937"}),
     ("slicing a record", {"modattrs._deferred.slicing"}),
