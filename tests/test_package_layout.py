@@ -229,6 +229,8 @@ class _Forked(nn.Module):
             self.probe = nn.Parameter(torch.rand(3))
         self.second = nn.Linear(40, 24)  # draws from a state given back: a point of the record
         self.norm = nn.LayerNorm(24)
+        self.cut = nn.Parameter(torch.empty(8, 24))  # within normal_'s reach: sampled in rounds (2.13 and later)
+        nn.init.trunc_normal_(self.cut, a=-2.0, b=2.0)
 
 
 def test_the_walks_from_deferred_init_and_materialize_module_visit_each_module_of_the_engine_once_on_the_way_down() -> (
@@ -246,6 +248,7 @@ def test_the_walks_from_deferred_init_and_materialize_module_visit_each_module_o
         model = deferred_init(_Forked)
         for part in (model.second, model.first):
             fully_shard(part, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         for part in (model.second, model.first, model):
             materialize_module(part)
 

@@ -10,7 +10,9 @@ of fills that the shard-local planner (``windows.Plan``) makes alone. Operations
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Mapping
+import functools
+from collections.abc import Callable, Container, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -65,21 +67,11 @@ def _run_kept(
         if not plan.run(index, env, wanted):
             tensors = plan.arguments(index, env)  # None unless it reads windows: then run on one thread
             draws = walk.is_draw(index)
-            modelled = walk.pattern_of(index) if draws else None
             if draws:
+                walk.pattern_of(index)  # a trunc_normal_'s rounds are counted from the state before it
                 walk.before(index)
-            on_threads = threads if draws and tensors is None else 1
-            _run(
-                ops[index],
-                env,
-                wanted,
-                device,
-                plan.copies,
-                on_threads,
-                tensors=tensors,
-                func=unfilled.get(index),
-                rounds=modelled if isinstance(modelled, rng.Rejection) else None,
-            )
+            filled = functools.partial(walk.filled, index, threads=threads if tensors is None else 1) if draws else None
+            _run(ops[index], env, wanted, device, plan.copies, tensors=tensors, func=unfilled.get(index), filled=filled)
             if draws:
                 walk.ran(index)
             plan.release_after(index)
@@ -207,24 +199,17 @@ def _run(
     wanted: Container[int],
     device: torch.device | None,
     copies: Copies,
-    threads: int = 1,
     *,
     tensors: dict[int, torch.Tensor] | None = None,
     func: OpOverload | None = None,
-    rounds: rng.Rejection | None = None,
+    filled: Callable[[tuple[Any, ...], dict[str, Any]], torch.Tensor | None] | None = None,
 ) -> None:
-    """Run ``op`` on the tensors of ``env`` (or ``tensors``), as ``func`` if given; a random fill on ``threads``
-    threads where ``rng`` models it so, and a ``trunc_normal_`` of known ``rounds`` as its model draws it (Note
-    [trunc_normal_ as rounds of normal_] in ``rng.rejection``): the same values, without the helper's temporaries."""
+    """Run ``op`` on the tensors of ``env`` (or ``tensors``), as ``func`` if given; a draw as ``filled`` (the walk's)
+    draws it where the walk has a faster way to the same values (``rng.Walk.filled``)."""
     if tensors is None:
         tensors = {slot.index: env[slot.ref] for slot in op.slots}
     args, kwargs = op.arguments(tensors, device, copies=copies)
-    result = None
-    if rounds is not None and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
-        torch.default_generator.set_state(rounds.draw_into(args[0], torch.default_generator.get_state(), threads))
-        result = args[0]
-    elif threads > 1:
-        result = rng.filled_on_threads(op.func, args, kwargs, threads)
+    result = None if filled is None else filled(args, kwargs)
     if result is None:
         result = (func or op.func)(*args, **kwargs)
     keep_results(op, result, env, wanted, device, copies)

@@ -25,7 +25,6 @@ from modattrs._deferred.rng.generator import (
     Modelled,
     Walk,
     drew,
-    filled_on_threads,
     lock,
     new_record,
     replaying,
@@ -38,18 +37,15 @@ from modattrs._deferred.rng.generator import (
     state_at,
     undone_on_failure,
 )
-from modattrs._deferred.rng.rejection import Rejection
 
 __all__ = [
     "JUMP_COST",
     "PAIRS",
     "Modelled",
     "Pattern",
-    "Rejection",
     "Walk",
     "count_depends_on_values",
     "drew",
-    "filled_on_threads",
     "lock",
     "new_record",
     "replaying",

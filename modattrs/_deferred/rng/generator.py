@@ -369,6 +369,19 @@ class Walk:
         state, ahead = self._ahead_of(index)
         self._drew_part(index, *pattern.draw_runs(state, ahead, runs, out, offset))
 
+    def filled(self, index: int, args: Sequence[Any], kwargs: dict[str, Any], *, threads: int) -> torch.Tensor | None:
+        """Run the draw at ``index`` (``before`` set the generator for it) with ``args`` and ``kwargs`` a faster way
+        to the same values and state after, and return what it filled; None, and nothing done, where there is none:
+        a ``trunc_normal_`` of known rounds drawn into its tensor by its model (Note [trunc_normal_ as rounds of
+        normal_]), without the helper's temporaries, round 0 on ``threads`` threads; a fill ``draws`` models, on
+        ``threads`` threads (``filled_on_threads``)."""
+        found = self._patterns.get(index)
+        tensor = args[0] if args else None
+        if isinstance(found, rejection.Rejection) and isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+            _set_state(found.draw_into(tensor, _get_state(), threads))
+            return tensor
+        return filled_on_threads(self.record.ops[index].func, args, kwargs, threads) if threads > 1 else None
+
     def _modelled(self, index: int) -> Modelled:
         found = self.pattern_of(index)
         assert found is not None, f"a part drawn of operation {index}, which draws does not model"

@@ -75,7 +75,7 @@ class RejectionSampler:
         return rounds
 
     def in_rounds(self, rounds: int) -> Rejection:
-        return Rejection(self.normal, self.lo, self.hi, rounds)
+        return Rejection(self.normal, self.lo, self.hi, rounds, self.normal.kind)
 
     def _out_of_bounds(self, values: torch.Tensor) -> torch.Tensor:
         return (values < self.lo) | (values > self.hi)  # as the helper compares: in the dtype, to the cast bounds
@@ -87,10 +87,7 @@ class Rejection(RejectionSampler):
     ask of a ``draws.Pattern``, for the whole call (Note [trunc_normal_ as rounds of normal_])."""
 
     rounds: int
-
-    @property
-    def kind(self) -> str:
-        return self.normal.kind
+    kind: str  # the normal_'s (draws.BLOCKS), read as a Pattern's is
 
     @property
     def numel(self) -> int:
