@@ -72,6 +72,7 @@ def runs_of(draw: st.DrawFn, numel: int) -> list[range]:
     seed=st.integers(0, 2**32 - 1),
     ahead=st.integers(0, 300),
     cuts=st.sampled_from([(64, 16), (1 << 22, 16), (1 << 22, draws.JUMP_COST)]),
+    threads=st.sampled_from([1, 3]),
     data=st.data(),
 )
 def test_any_runs_of_rounds_of_normal_are_the_helpers_values_and_the_generator_goes_where_it_does(
@@ -84,6 +85,7 @@ def test_any_runs_of_rounds_of_normal_are_the_helpers_values_and_the_generator_g
     seed: int,
     ahead: int,
     cuts: tuple[int, int],
+    threads: int,
     data: st.DataObject,
 ) -> None:
     assume(mass_inside(low, high) > 0.3)
@@ -97,7 +99,7 @@ def test_any_runs_of_rounds_of_normal_are_the_helpers_values_and_the_generator_g
     runs = data.draw(runs_of(numel))
     out = torch.full((numel,), 7.0, dtype=dtype)
     with cut_small(*cuts):
-        model = found.in_rounds(found.rounds_from(jumped_state(state, ahead)))
+        model = found.in_rounds(found.rounds_from(jumped_state(state, ahead), threads))
         end, position = model.draw_runs(state, ahead, runs, out, 0)
     for run in runs:
         assert torch.equal(bits(out[run.start : run.stop]), bits(eager[run.start : run.stop])), run
@@ -110,14 +112,15 @@ def test_any_runs_of_rounds_of_normal_are_the_helpers_values_and_the_generator_g
         assert (end, position) == (None, 0)
 
 
-def test_the_rounds_of_a_tensor_are_found_in_chunks_of_it_with_the_helpers_count() -> None:
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_the_rounds_of_a_tensor_are_found_in_chunks_of_it_with_the_helpers_count(threads: int) -> None:
     weight = torch.empty(5000)
     generator = torch.Generator().manual_seed(3)
     state = generator.get_state()
     found = rejection.sampler(HELPER, (weight, 0.0, 1.0, -1.0, 1.0), {})
     assert found is not None
     with cut_small(64, 16):
-        rounds = found.rounds_from(state)
+        rounds = found.rounds_from(state, threads)
     HELPER(weight, 0.0, 1.0, -1.0, 1.0, generator=generator)
     outputs = found.normal.outputs(state)
     assert rounds >= 5  # a third of the mass outside: several rounds, each a whole normal_ of 5,000

@@ -178,6 +178,7 @@ __all__ = [
     "Pattern",
     "count_depends_on_values",
     "pattern",
+    "workers",
 ]
 
 #: Element ``i`` reads outputs ``[k i, k i + k)``.
@@ -416,7 +417,7 @@ class Pattern:
             self.fill(target, first)
             return first.get_state()
         ranges = list(itertools.pairwise(bounds))
-        pool = _workers(len(ranges) - 1)
+        pool = workers(len(ranges) - 1)
         inference = torch.is_inference_mode_enabled()  # thread-local: the workers take the caller's
         rest = [pool.submit(self._fill_range_in, inference, target, state, start, stop) for start, stop in ranges[1:]]
         try:
@@ -1137,11 +1138,11 @@ _POOL = _Pool()
 _POOL_LOCK = threading.Lock()
 
 
-def _workers(count: int) -> ThreadPoolExecutor:
-    """Threads for ``draw_into``'s ranges, at least ``count``, kept from call to call: a new thread's first jump
-    costs about 90 ms more (OpenMP and MKL set up their per-thread state). Each thread first asks torch for its
-    intra-op thread count, which sets that thread's OpenMP and MKL counts to torch's setting (else they take every
-    core); a new pool replaces the old one when that setting has changed since, and in a forked child."""
+def workers(count: int) -> ThreadPoolExecutor:
+    """Threads for ``draw_into``'s ranges (and ``rejection``'s), at least ``count``, kept from call to call: a new
+    thread's first jump costs about 90 ms more (OpenMP and MKL set up their per-thread state). Each thread first asks
+    torch for its intra-op thread count, which sets that thread's OpenMP and MKL counts to torch's setting (else they
+    take every core); a new pool replaces the old one when that setting has changed since, and in a forked child."""
     intra_op, process = torch.get_num_threads(), os.getpid()
     with _POOL_LOCK:
         if _POOL.executor is None or _POOL.size < count or (_POOL.intra_op, _POOL.process) != (intra_op, process):

@@ -487,7 +487,7 @@ class Walk:
                 rounds = self.record.rounds.get(index)
                 if rounds is None:
                     before = self._state_before(index) if state is None else state()
-                    rounds = self.record.rounds[index] = found.rounds_from(before)
+                    rounds = self.record.rounds[index] = found.rounds_from(before, torch.get_num_threads())
                 found = found.in_rounds(rounds)
             self._patterns[index] = found
         return self._patterns[index]

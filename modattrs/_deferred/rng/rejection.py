@@ -12,11 +12,12 @@ its elements where the result is out of bounds (``torch.where``), and nowhere el
 - the generator has moved by ``R`` times one ``normal_``'s outputs (``Pattern.outputs``).
 
 ``R`` depends on every element, so a replay finds it once, from the state before the call
-(``RejectionSampler.rounds_from``). The scan draws round 0 in chunks, keeping the positions still out of bounds, and
-each later round only at those positions, through parts of the ``normal_`` joined where they lie less than a jump
-apart (``draws.JUMP_COST``) and drawn from where the one before stopped: at 3 standard deviations, two rounds drawn
-through and a few hundred jumps for a tensor of a billion elements, in the memory of a chunk and the positions. The
-helper itself holds the tensor, a mask, a fresh draw and the merge's result at once, and draws ``R`` whole rounds.
+(``RejectionSampler.rounds_from``). The scan draws round 0 in chunks (ranges of it on threads, each from a private
+generator jumped to its range), keeping the positions still out of bounds, and each later round only at those
+positions, through parts of the ``normal_`` joined where they lie less than a jump apart (``draws.JUMP_COST``) and
+drawn from where the one before stopped: at 3 standard deviations, two rounds drawn through and a few hundred jumps
+for a tensor of a billion elements, in the memory of a chunk and the positions. The helper itself holds the tensor,
+a mask, a fresh draw and the merge's result at once, and draws ``R`` whole rounds.
 
 Given ``R``, any part of the result (``Rejection.draw_runs``) is round 0 of that part, then, round by round, the
 fresh draws at the part's positions still out of bounds: a rank keeping a shard of an output layer draws about
@@ -28,12 +29,13 @@ model (``helper_samples_by_rounds``): 2.8's helper is ``uniform_`` then ``erfinv
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -44,6 +46,7 @@ from modattrs._torch_private import TRUNC_NORMAL_HELPER, disable_current_modes
 
 __all__ = ["Rejection", "RejectionSampler", "helper_samples_by_rounds", "sampler"]
 
+_Work = TypeVar("_Work")
 _CHUNK = 1 << 22  # elements drawn at once by the scan and by a long part: 16 MB of float32
 _BLOCK = 16  # normal_'s block path transforms 16 elements at a time: parts are cut on these
 
@@ -57,22 +60,32 @@ class RejectionSampler:
     lo: float
     hi: float
 
-    def rounds_from(self, state: torch.Tensor) -> int:
+    def rounds_from(self, state: torch.Tensor, threads: int = 1) -> int:
         """How many rounds of ``normal_`` the helper draws from ``state`` (Note [trunc_normal_ as rounds of
-        normal_]), found without holding the tensor."""
+        normal_]), found without holding the tensor, on up to ``threads`` threads (each a range of the elements, from
+        a private generator jumped to it)."""
         normal, per_round = self.normal, self.normal.outputs(state)
-        pending: list[torch.Tensor] = []
-        end, position = state, 0
-        for start, stop in _chunks(normal, 0, normal.numel):  # round 0, chained chunk to chunk
-            values, end, position = _drawn(normal, end, position, 0, start, stop)
-            pending.append(self._out_of_bounds(values).nonzero().flatten().add_(start))
-        positions = torch.cat(pending)
+        ranges = _split(normal, threads)
+        found = _on_threads(functools.partial(self._out_of_bounds_in, state), ranges)
+        positions = torch.cat(found)
         rounds = 1
         while positions.numel():
-            values, end, position = _at(normal, end, position, rounds * per_round, positions)
+            cuts = _even_cuts(positions.numel(), len(ranges))
+            parts = [positions[start:stop] for start, stop in itertools.pairwise(cuts) if start < stop]
+            values = torch.cat(_on_threads(functools.partial(_at_values, normal, state, rounds * per_round), parts))
             positions = positions[self._out_of_bounds(values)]
             rounds += 1
         return rounds
+
+    def _out_of_bounds_in(self, state: torch.Tensor, elements: tuple[int, int]) -> torch.Tensor:
+        """The positions out of bounds among ``elements`` (start, stop) of round 0 from ``state``, drawn in chunks."""
+        start, stop = elements
+        found: list[torch.Tensor] = []
+        end, position = state, 0
+        for first, last in _chunks(self.normal, start, stop):
+            values, end, position = _drawn(self.normal, end, position, 0, first, last)
+            found.append(self._out_of_bounds(values).nonzero().flatten().add_(first))
+        return torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
 
     def in_rounds(self, rounds: int) -> Rejection:
         return Rejection(self.normal, self.lo, self.hi, rounds, self.normal.kind)
@@ -227,6 +240,38 @@ def _chunks(normal: draws.Pattern, start: int, stop: int) -> list[tuple[int, int
     cuts = [cut for cut in range(start - start % _CHUNK + _CHUNK, stop, _CHUNK) if cut <= tail]
     bounds = [start, *cuts, stop]
     return [(first, last) for first, last in itertools.pairwise(bounds) if first < last]
+
+
+def _split(normal: draws.Pattern, threads: int) -> list[tuple[int, int]]:
+    """The elements of a round in up to ``threads`` ranges of at least ``_CHUNK`` elements each, cut where a chunk
+    may be (``_chunks``)."""
+    count = max(1, min(threads, normal.numel // _CHUNK))
+    tail = _tail_begin(normal)
+    cuts = {min(cut - cut % _BLOCK, tail - tail % _BLOCK) for cut in _even_cuts(normal.numel, count)[1:-1]}
+    bounds = [0, *sorted(cut for cut in cuts if 0 < cut < normal.numel), normal.numel]
+    return [(start, stop) for start, stop in itertools.pairwise(bounds) if start < stop]
+
+
+def _even_cuts(total: int, count: int) -> list[int]:
+    return [total * index // count for index in range(count + 1)]
+
+
+def _at_values(normal: draws.Pattern, state: torch.Tensor, first: int, positions: torch.Tensor) -> torch.Tensor:
+    return _at(normal, state, 0, first, positions)[0]
+
+
+def _on_threads(work: Callable[[_Work], torch.Tensor], items: Sequence[_Work]) -> list[torch.Tensor]:
+    """``work`` of each of ``items``, the first in this thread and the others in ``draws.workers``'s (torch's
+    kernels release the GIL), in their order."""
+    if len(items) <= 1:
+        return [work(item) for item in items] or [torch.empty(0, dtype=torch.int64)]
+    pool = draws.workers(len(items) - 1)
+    rest = [pool.submit(work, item) for item in items[1:]]
+    try:
+        first = work(items[0])
+    finally:
+        others = [future.result() for future in rest]
+    return [first, *others]
 
 
 def _tail_begin(normal: draws.Pattern) -> int:
