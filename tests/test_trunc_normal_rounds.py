@@ -275,3 +275,52 @@ def test_a_whole_materialization_draws_rounds_of_normal_into_the_weight_without_
     assert [event.cpu_memory_usage >= weight_bytes for event in profile.events()].count(True) == 1
     assert torch.equal(bits(model.weight), bits(reference.weight))
     assert torch.equal(torch.get_rng_state(), state_after_eager)
+
+
+class OnTwoDevices(nn.Module):
+    """A weight drawn in rounds between draws of another device's generator: replayed on the CPU, those draws move
+    the CPU generator too, so the state before the rounds is not the recorded devices' one."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.first = nn.Linear(64, 64, device=device)
+        self.cut = nn.Parameter(torch.empty(64, 64, device="cpu"))
+        nn.init.trunc_normal_(self.cut, std=1.0, a=-1.5, b=2.0)
+        self.after = nn.Linear(8, 8, device="cpu")
+
+
+def test_a_record_of_another_device_materialized_on_the_cpu_counts_the_rounds_from_the_cpus_states() -> None:
+    torch.manual_seed(5)
+    reference = OnTwoDevices("cpu")
+    torch.manual_seed(5)
+    model = deferred_init(OnTwoDevices, "cuda")  # counted when deferred_init returns, from the CPU draws alone
+    materialize_module(model, device="cpu")
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(bits(model.state_dict()[name]), bits(tensor)), name
+
+
+class AfterPoisson(nn.Module):
+    """A draw whose count of outputs depends on values (``poisson``) before a weight drawn in rounds, and a reseed at
+    the end, so that ``deferred_init`` leaves the rounds uncounted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("counts", torch.poisson(torch.ones(50) * 30))
+        self.inner = nn.Module()
+        self.inner.cut = nn.Parameter(torch.empty(64, 64))
+        nn.init.trunc_normal_(self.inner.cut, std=1.0, a=-1.5, b=2.0)
+        self.rows = nn.Parameter(self.inner.cut.detach()[:8].clone())
+        self.after = nn.Linear(8, 8)
+        torch.manual_seed(1234)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_rounds_counted_while_materializing_come_after_the_value_dependent_draws_before_them(seed: int) -> None:
+    torch.manual_seed(seed)
+    reference = AfterPoisson()
+    torch.manual_seed(seed)
+    model = deferred_init(AfterPoisson)
+    # the rows cut from the weight, not the weight: a window of it, planned before anything runs
+    materialize_module(model, check_fn=lambda module: module is model or module is model.after)
+    for name in ("counts", "rows", "after.weight", "after.bias"):
+        assert torch.equal(bits(model.state_dict()[name]), bits(reference.state_dict()[name])), name

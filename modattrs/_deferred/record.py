@@ -423,7 +423,8 @@ class Record:
     # remembered by replays that passed there, so that later ones start from the nearest one (see generator).
     states: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
     drawn: set[int] = field(default_factory=set)  # CPU draws that replays ran for real (materialized)
-    rounds: dict[int, int] = field(default_factory=dict)  # trunc_normal_ draw -> its rounds of normal_ (rng.rejection)
+    # Per replay device, as states: a trunc_normal_ draw -> its rounds of normal_ (rng.rejection), counted once.
+    rounds: dict[str, dict[int, int]] = field(default_factory=dict)
     _dead: tuple[int, frozenset[int]] = (0, frozenset())  # (number of ops, dead_writes of them)
 
     def dead_writes(self) -> frozenset[int]:

@@ -227,7 +227,7 @@ class Window:
 class Plan:
     """The windows of one replay (by storage), and how the kept operations that have a role in them run: the
     shard-local planner's whole interface to the replay. Its random fills are drawn by the replay's walk along
-    the generator (``rng.Walk``), which says which draws it models (``pattern_of``) and draws their parts."""
+    the generator (``rng.Walk``), which says which draws it models (``kind_of``) and draws their parts."""
 
     def __init__(
         self,
@@ -305,7 +305,7 @@ def _plan(
     for storage in _copies_first(record, touching):
         if storage in whole:
             continue
-        window = _window(record, storage, touching[storage], spans.get(storage, []), walk.pattern_of, copied)
+        window = _window(record, storage, touching[storage], spans.get(storage, []), walk.kind_of, copied)
         if window is not None:
             found[storage] = window
             for index in _copies_of(window):
@@ -441,7 +441,7 @@ def _window(
     storage: int,
     indices: list[int],
     target_spans: list[range],
-    pattern_of: Callable[[int], rng.Modelled | None],
+    kind_of: Callable[[int], str | None],
     copied: Mapping[int, list[Layout]],
 ) -> Window | None:
     ops, layouts = record.ops, record.layouts
@@ -475,7 +475,7 @@ def _window(
         return None  # a target on a copy (a deep copy's view) keeps its place in the whole copy, as in eager code
     spans = list(target_spans)
     partial: dict[int, range] = {}
-    patterns: dict[int, rng.Modelled] = {}
+    kinds: dict[int, str] = {}
     for index in later:
         op = ops[index]
         on = [slot for slot in op.slots if slot.storage == storage]
@@ -510,10 +510,10 @@ def _window(
             return None  # writes from another tensor, or through several arguments
         layout = layouts[written[0].ref]
         covers = layout.offset == 0 and _contiguous(layout) and math.prod(layout.size) == math.prod(whole.size)
-        pattern = pattern_of(index) if covers else None
-        if pattern is not None:
+        kind = kind_of(index) if covers else None
+        if kind is not None:
             roles[index] = Role.DRAW
-            patterns[index] = pattern
+            kinds[index] = kind
         elif not isinstance(func, OpOverload):
             return None  # an opaque initializer: its effect on a part is unknown unless modelled (rng.rejection)
         elif op.draws.value == 0 and facts.elementwise:
@@ -549,7 +549,7 @@ def _window(
             roles[index] = Role.OUTSIDE
             continue
         return None  # straddles the window's edge
-    if any(pattern.kind == rng.PAIRS for pattern in patterns.values()):
+    if rng.PAIRS in kinds.values():
         segments = (range(start, stop),)  # the scalar path's cached normal: drawn from the window's start
     landing: tuple[tuple[int, Layout], ...] = ()
     if concatenated is not None:
@@ -762,17 +762,9 @@ def _cat_parts(
 
 
 def _copies_of(window: Window) -> list[int]:
-    """The operation that copied ``window``'s elements from parts of other storages (a CLONE, a CAT), if any."""
+    """The operations that copied ``window``'s elements from parts of other storages (a CLONE, a CAT): one, or
+    none."""
     return [index for index, role in window.roles.items() if role in (Role.CLONE, Role.CAT)]
-
-
-def _clone_index(window: Window) -> int:
-    """The operation that copied all of ``window``'s storage from a view of another (see ``_window``)."""
-    return _index_of(window, Role.CLONE)
-
-
-def _index_of(window: Window, role: str) -> int:
-    return next(index for index, given in window.roles.items() if given == role)
 
 
 def _laid_out(slot: Slot, dtype: torch.dtype) -> bool:

@@ -22,7 +22,6 @@ JAX's ``jax/_src/prng.py`` do.
 
 from modattrs._deferred.rng.draws import JUMP_COST, PAIRS, Pattern, count_depends_on_values
 from modattrs._deferred.rng.generator import (
-    Modelled,
     Walk,
     drew,
     lock,
@@ -41,7 +40,6 @@ from modattrs._deferred.rng.generator import (
 __all__ = [
     "JUMP_COST",
     "PAIRS",
-    "Modelled",
     "Pattern",
     "Walk",
     "count_depends_on_values",

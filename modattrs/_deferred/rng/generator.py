@@ -335,6 +335,9 @@ class Walk:
         # costs what it walks, not a pass over every draw.
         self.draws, self.resets = _draws_for(record, device)
         self.states = record.states.setdefault("" if device is None else str(device), {})
+        # The rounds of each trunc_normal_ the walk models (rng.rejection): they depend on the state before it, which
+        # depends on the draws a replay on this device makes, as the states do.
+        self.rounds = record.rounds.setdefault("" if device is None else str(device), {})
         self.live: int | None = None  # the generator holds the state after the first `live` operations ...
         self.pending = 0  # ... but for this many outputs, which it is yet to be jumped over
         self._scratch: dict[int, torch.Tensor] = {}  # memory the draws it runs without keeping write into
@@ -469,28 +472,44 @@ class Walk:
     def pattern_of(self, index: int, state: Callable[[], torch.Tensor] | None = None) -> Modelled | None:
         """How the operation at ``index`` reads the default CPU generator, if it is a draw from it that ``draws``
         or ``rejection`` models; else None. A ``trunc_normal_`` the first time: its rounds are found from the state
-        before it (``state()``, else worked out by reaching it) and noted in the record."""
+        before it (``state()``, else worked out by reaching it, which moves the walk there: ask only once every kept
+        operation before it has run, as the replay does at its turn) and noted in the record, by replay device."""
         if not self.is_draw(index):
             return None
         if index not in self._patterns:
-            op = self.record.ops[index]
-            key = _call_key(op, self.device)
-            found = _PATTERNS.get(key, _UNKNOWN) if key is not None else _UNKNOWN
-            if found is _UNKNOWN:
-                args, kwargs = op.arguments(scratch_arguments(op, _META), self.device)
-                found = draws.pattern(op.func, args, kwargs) or rejection.sampler(op.func, args, kwargs)
-                if key is not None:
-                    if len(_PATTERNS) >= _PATTERNS_KEPT:
-                        _PATTERNS.clear()
-                    _PATTERNS[key] = found
+            found = self._model_of(index)
             if isinstance(found, rejection.RejectionSampler) and not isinstance(found, rejection.Rejection):
-                rounds = self.record.rounds.get(index)
+                rounds = self.rounds.get(index)
                 if rounds is None:
                     before = self._state_before(index) if state is None else state()
-                    rounds = self.record.rounds[index] = found.rounds_from(before, torch.get_num_threads())
+                    rounds = self.rounds[index] = found.rounds_from(before, torch.get_num_threads())
                 found = found.in_rounds(rounds)
             self._patterns[index] = found
         return self._patterns[index]
+
+    def kind_of(self, index: int) -> str | None:
+        """The kind (``draws.SERIAL``, ``BLOCKS``, ``PAIRS``) of the draw at ``index`` if ``pattern_of`` models it,
+        else None; without counting a ``trunc_normal_``'s rounds, so that the planner may ask before the operations
+        before it have run (a value-dependent draw among them runs only then)."""
+        if not self.is_draw(index):
+            return None
+        found = self._patterns[index] if index in self._patterns else self._model_of(index)
+        if isinstance(found, rejection.RejectionSampler):
+            return found.normal.kind
+        return None if found is None else found.kind
+
+    def _model_of(self, index: int) -> draws.Pattern | rejection.RejectionSampler | None:
+        op = self.record.ops[index]
+        key = _call_key(op, self.device)
+        found = _PATTERNS.get(key, _UNKNOWN) if key is not None else _UNKNOWN
+        if found is _UNKNOWN:
+            args, kwargs = op.arguments(scratch_arguments(op, _META), self.device)
+            found = draws.pattern(op.func, args, kwargs) or rejection.sampler(op.func, args, kwargs)
+            if key is not None:
+                if len(_PATTERNS) >= _PATTERNS_KEPT:
+                    _PATTERNS.clear()
+                _PATTERNS[key] = found
+        return found  # type: ignore[no-any-return]  # _UNKNOWN is gone
 
     def _state_before(self, index: int) -> torch.Tensor:
         """The state the draw at ``index`` draws from, the walk moved there."""
