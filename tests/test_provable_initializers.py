@@ -333,7 +333,7 @@ class Concatenated(nn.Module):
         k = weight.new_empty(groups * head, width)
         v = weight.new_empty(groups * head, width)
         for part in (q, k, v):
-            nn.init.trunc_normal_(part, std=0.02)  # one normal_: see Note [trunc_normal_ as one normal_]
+            nn.init.normal_(part, std=0.02)  # trunc_normal_ on 2.13 and later; 2.8's is uniform_ then erfinv_
         if layout == "kv groups":  # torchtitan's fused wqkv (models/common/config_utils.py)
             parts = [
                 q.view(groups, per_group, head, width),
