@@ -68,7 +68,6 @@ def _run_kept(
             tensors = plan.arguments(index, env)  # None unless it reads windows: then run on one thread
             draws = walk.is_draw(index)
             if draws:
-                walk.pattern_of(index)  # a trunc_normal_'s rounds are counted from the state before it
                 walk.before(index)
             filled = functools.partial(walk.filled, index, threads=threads if tensors is None else 1) if draws else None
             _run(ops[index], env, wanted, device, plan.copies, tensors=tensors, func=unfilled.get(index), filled=filled)

@@ -334,14 +334,9 @@ def _copies_first(record: Record, touching: Mapping[int, list[int]]) -> list[int
     sources: dict[int, list[int]] = {}
     for storage, indices in touching.items():
         read = [slot.storage for slot in ops[indices[0]].slots]
-        for index in indices[1:]:
-            op = ops[index]
-            if op.func is aten.copy_.default and storage in op.writes:
-                read.extend(slot.storage for slot in op.slots)
-                break
-            facts = facts_of(op.func) if isinstance(op.func, OpOverload) else None
-            if facts is None or not (facts.metadata_read or facts.geometry_read):
-                break
+        at = _first_copy_into(ops, indices, storage)
+        if at is not None:
+            read.extend(slot.storage for slot in ops[indices[at]].slots)
         sources[storage] = [source for source in read if source != storage and source in touching]
     finished: list[int] = []  # each after the storages it is copied from: reversed, before them
     seen: set[int] = set()
@@ -678,17 +673,10 @@ def _copied_whole(
     window the copy is a ``clone`` of that view, and the factory's memory is never made. Else None."""
     factory = ops[indices[0]]
     made = _created(factory, storage, layouts, like=True)
-    if made is None:
+    at = _first_copy_into(ops, indices, storage)
+    if made is None or at is None:
         return None
-    for at in range(1, len(indices)):
-        op = ops[indices[at]]
-        if op.func is aten.copy_.default:
-            break
-        facts = facts_of(op.func) if isinstance(op.func, OpOverload) else None
-        if facts is None or not (facts.metadata_read or facts.geometry_read) or storage in op.results.storages:
-            return None  # anything else on the storage before the copy: a view, a read, a write
-    else:
-        return None
+    op = ops[indices[at]]
     if len(op.slots) != 2 or op.constant_slots or op.writes != {storage} or op.out_refs != (op.slots[0].ref,):
         return None
     target, source = op.slots
@@ -759,6 +747,19 @@ def _cat_parts(
             parts.append((position - start, Layout(read.storage, first, (length,), (1,), read.dtype)))
             position += length
     return tuple(parts)
+
+
+def _first_copy_into(ops: Sequence[Op], indices: Sequence[int], storage: int) -> int | None:
+    """Where in ``indices`` (the operations touching ``storage``) the first ``copy_`` into ``storage`` is, when only
+    metadata reads come before it after the first operation; else None."""
+    for at in range(1, len(indices)):
+        op = ops[indices[at]]
+        if op.func is aten.copy_.default and storage in op.writes:
+            return at
+        facts = facts_of(op.func) if isinstance(op.func, OpOverload) else None
+        if facts is None or not (facts.metadata_read or facts.geometry_read) or storage in op.results.storages:
+            return None  # anything else on the storage before the copy: a view, a read, a write
+    return None
 
 
 def _copies_of(window: Window) -> list[int]:

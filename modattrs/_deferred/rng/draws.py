@@ -178,6 +178,7 @@ __all__ = [
     "Pattern",
     "count_depends_on_values",
     "pattern",
+    "same_bits",
     "workers",
 ]
 
@@ -1100,7 +1101,7 @@ def _agrees(op: _Op, call: _Call, variant: _Variant) -> bool:
             if jumped_state(state, model.outputs(state))[:_CACHE_START].ne(generator.get_state()[:_CACHE_START]).any():
                 return False
             for start, stop in _probe_ranges(numel):
-                if not _same_bits(model.draw(state, start, stop), full[start:stop]):
+                if not same_bits(model.draw(state, start, stop), full[start:stop]):
                     return False
     return True
 
@@ -1218,7 +1219,7 @@ def _in_memory_order(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.permute(order).reshape(-1)
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     if a.dtype.is_floating_point:

@@ -334,10 +334,11 @@ class Walk:
         # walk, made for every replay and for each draw an initialization of a deferred module records (settle),
         # costs what it walks, not a pass over every draw.
         self.draws, self.resets = _draws_for(record, device)
-        self.states = record.states.setdefault("" if device is None else str(device), {})
+        replayed_on = "" if device is None else str(device)
+        self.states = record.states.setdefault(replayed_on, {})
         # The rounds of each trunc_normal_ the walk models (rng.rejection): they depend on the state before it, which
         # depends on the draws a replay on this device makes, as the states do.
-        self.rounds = record.rounds.setdefault("" if device is None else str(device), {})
+        self.rounds = record.rounds.setdefault(replayed_on, {})
         self.live: int | None = None  # the generator holds the state after the first `live` operations ...
         self.pending = 0  # ... but for this many outputs, which it is yet to be jumped over
         self._scratch: dict[int, torch.Tensor] = {}  # memory the draws it runs without keeping write into
@@ -349,7 +350,9 @@ class Walk:
         return at < len(self.draws) and self.draws[at] == index
 
     def before(self, index: int) -> None:
-        """Set the generator to the state the draw at ``index`` draws from in eager code."""
+        """Set the generator to the state the draw at ``index`` draws from in eager code (a ``trunc_normal_``'s
+        rounds are counted first, from that state: every kept operation before it has run)."""
+        self.pattern_of(index)
         self._ahead_of(index)
         self._jump_pending()
         self.live = None

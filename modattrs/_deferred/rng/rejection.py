@@ -286,12 +286,20 @@ def sampler(func: object, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Rej
     helper = _helper()
     if helper is None or func is not helper or not args or not isinstance(args[0], torch.Tensor):
         return None
-    tensor = args[0]
+    found = _covered(helper, args[0], args, kwargs)
+    return found if found is not None and helper_samples_by_rounds(helper) else None
+
+
+def _covered(
+    helper: Callable[..., Any], tensor: torch.Tensor, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> RejectionSampler | None:
+    """The model of ``helper(*args, **kwargs)`` on ``tensor`` where its arguments are ones the model covers,
+    whether or not this process's helper samples so."""
     call = as_normal_rounds(helper, tensor.dtype, args, kwargs)
     if call is None or call.generator is not None or not math.isfinite(call.lo) or not math.isfinite(call.hi):
         return None
     normal = draws.pattern(torch.ops.aten.normal_.default, (tensor, call.mean, call.std), {})
-    if normal is None or normal.kind != draws.BLOCKS or not helper_samples_by_rounds(helper):
+    if normal is None or normal.kind != draws.BLOCKS:
         return None
     return RejectionSampler(normal, call.lo, call.hi)
 
@@ -330,32 +338,17 @@ def _agrees(helper: Callable[..., Any]) -> bool:
                 for mean, std, a, b in calls:
                     for shape in shapes:
                         tensor = torch.empty(shape, dtype=dtype, device="cpu")
-                        found = _model(helper, tensor, mean, std, a, b)
+                        found = _covered(helper, tensor, (tensor, mean, std, a, b), {})
                         if found is None:
                             return False
                         state = generator.get_state()
                         rejection = found.in_rounds(found.rounds_from(state))
                         expected = rejection.draw_with_end(state, 0, tensor.numel())[0]
                         helper(tensor, mean, std, a, b, generator=generator)
-                        if not _same_bits(tensor.flatten(), expected):
+                        if not draws.same_bits(tensor.flatten(), expected):
                             return False
                         if not torch.equal(generator.get_state(), rejection.state_after(state)):
                             return False
         except Exception:  # a helper that refuses these arguments is not the one the Note describes
             return False
         return True
-
-
-def _model(
-    helper: Callable[..., Any], tensor: torch.Tensor, mean: float, std: float, a: float, b: float
-) -> RejectionSampler | None:
-    call = as_normal_rounds(helper, tensor.dtype, (tensor, mean, std, a, b), {})
-    normal = draws.pattern(torch.ops.aten.normal_.default, (tensor, mean, std), {})
-    if call is None or normal is None or normal.kind != draws.BLOCKS:
-        return None
-    return RejectionSampler(normal, call.lo, call.hi)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(bits), b.view(bits))
