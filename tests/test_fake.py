@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -683,6 +684,35 @@ def test_on_a_cuda_build_whose_guard_needs_the_driver_without_a_compiler_fake_cu
         fake_mode(fake_cuda=True),
     ):
         pass
+
+
+@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="a CUDA build compiles no guard where its own can switch")
+def test_a_guard_build_killed_midway_does_not_make_the_next_process_wait_forever(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from modattrs._fake import cuda_guard as _cuda_guard
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    directory = _cuda_guard.build_directory()
+    directory.mkdir(parents=True)
+    (directory / "lock").touch()  # what torch's loader leaves when its builder is killed mid-build
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import torch\n"
+            "from modattrs.fake import fake_mode\n"
+            "with fake_mode(fake_cuda=True):\n"
+            "    print(torch.ones(2, device='cuda').device)\n",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,  # before the fix: waited on the file for ever
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "cuda:0"
+    assert any(directory.glob("*.so"))  # built where the file was left
 
 
 def test_a_process_that_never_uses_fake_cuda_has_no_fake_guard() -> None:

@@ -19,11 +19,15 @@ puts ``FakeGuardImpl<CUDA>`` in its place, for the process: without a GPU, the r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import os
 import re
 import sys
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -173,6 +177,46 @@ def _guard_switches_devices() -> bool:
     return True
 
 
+def build_directory() -> Path:
+    """Where the guard is built and cached: one directory per torch version, Python version and source, under
+    torch's extension root (``TORCH_EXTENSIONS_DIR``, or torch's default)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    digest = hashlib.sha1(_SOURCE.encode()).hexdigest()[:8]
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    version = re.sub(r"\W", "_", torch.__version__)
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(root) / f"modattrs_fake_cuda_guard_{version}_{python}_{digest}"
+
+
+@contextlib.contextmanager
+def _building(directory: Path) -> Iterator[None]:
+    """Hold the build lock of ``directory``, waiting for a process that holds it.
+
+    Note [A lock that dies with its builder]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    torch's extension loader marks a build in progress with a file (``lock`` in the build directory) that the
+    builder removes when done. A builder killed mid-build (Ctrl-C during the first use of fake CUDA, a job's time
+    limit) leaves the file behind, and every later process then waits for it forever, at no CPU. Builders of this
+    directory first take an advisory lock of the operating system on a file of their own, which is released when
+    its process ends however it ends: whoever holds it is the only builder, so a ``lock`` file it finds was left by
+    a builder that died, and is removed. (Where there are no such locks, as on Windows, torch's file alone is
+    used, as before.)
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(directory / "modattrs.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build_and_register(*, replace: bool) -> None:
     import logging
 
@@ -186,18 +230,18 @@ def _build_and_register(*, replace: bool) -> None:
     finally:
         logger.setLevel(level)
 
-    # One build per torch version, Python version and source; torch's loader caches it and reuses it after.
-    digest = hashlib.sha1(_SOURCE.encode()).hexdigest()[:8]
-    python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    version = re.sub(r"\W", "_", torch.__version__)
-    name = f"modattrs_fake_cuda_guard_{version}_{python}_{digest}"
-    extension = load_inline(  # type: ignore[no-untyped-call]
-        name=name,
-        cpp_sources=[_SOURCE],
-        no_implicit_headers=True,  # without <torch/extension.h>, the build takes seconds rather than half a minute
-        extra_cflags=["-O1"],
-        with_cuda=False,
-        verbose=False,
-    )
+    directory = build_directory()
+    with _building(directory):
+        # See Note [A lock that dies with its builder].
+        (directory / "lock").unlink(missing_ok=True)
+        extension = load_inline(  # type: ignore[no-untyped-call]
+            name=directory.name,
+            cpp_sources=[_SOURCE],
+            no_implicit_headers=True,  # without <torch/extension.h>, the build takes seconds rather than half a minute
+            extra_cflags=["-O1"],
+            with_cuda=False,
+            build_directory=str(directory),
+            verbose=False,
+        )
     if not extension.register_fake_cuda_guard(replace):
         raise RuntimeError("CUDA has a device guard already")
