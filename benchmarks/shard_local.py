@@ -623,30 +623,40 @@ def floor_s(
 ) -> float:
     """The least a rank pays with torch's CPU generator: for each drawn parameter, its own elements' draws, and for
     each contiguous run of them (in the eager parameter's memory), the lesser of a jump and drawing the gap before
-    it (from the parameter's first element, or the run before)."""
-    total = 0.0
+    it in the generator's stream, and the same for the gap after its last run, to where eager construction leaves the
+    generator.
+
+    The stream is one for the whole model: the gap before a run is what the generator makes between the rank's run
+    before (in this parameter or an earlier one) and this one. A rank that keeps the first rows of every weight
+    (rank 0) still moves the generator over the rest of each weight before the next: a gap after its runs rather
+    than before them, as for the last rank. The decoder draws its weights in the order it registers them."""
     draws = {
         f"{name}.weight": kind
         for module_name, module in eager.named_modules()
         for name, kind in [(module_name, "normal_" if isinstance(module, nn.Embedding) else "uniform_")]
         if isinstance(module, (nn.Embedding, nn.Linear))
     }
-    for name, parameter in model.named_parameters():
+    parameters = dict(model.named_parameters())
+    total = 0.0
+    carried = 0.0  # the cost of drawing what the stream holds since the rank's last run (its parameter's tail)
+    for name, full in eager.named_parameters():
         kind = draws.get(name)
         if kind is None:
             continue  # ones: no draw
-        full = eager.get_parameter(name)
-        indices = local_part(torch.arange(full.numel()).view(full.shape), parameter, coordinates).flatten()
+        per = ns_per_element[kind] * 1e-9
+        indices = local_part(torch.arange(full.numel()).view(full.shape), parameters[name], coordinates).flatten()
         if indices.numel() == 0:
+            carried += full.numel() * per
             continue
         indices = indices.sort().values
         breaks = torch.nonzero(indices[1:] != indices[:-1] + 1).flatten() + 1
         starts = torch.cat([indices[:1], indices[breaks]])
         ends = torch.cat([indices[breaks - 1] + 1, indices[-1:] + 1])
-        gaps = starts - torch.cat([torch.zeros(1, dtype=ends.dtype), ends[:-1]])
-        per = ns_per_element[kind] * 1e-9
-        total += indices.numel() * per + torch.clamp(gaps.double() * per, max=jump_s).sum().item()
-    return total
+        gaps = (starts - torch.cat([torch.zeros(1, dtype=ends.dtype), ends[:-1]])).double() * per
+        gaps[0] += carried
+        total += indices.numel() * per + torch.clamp(gaps, max=jump_s).sum().item()
+        carried = (full.numel() - int(ends[-1])) * per
+    return total + min(carried, jump_s)
 
 
 def layout_rows(
