@@ -14,7 +14,7 @@ import enum
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Union
+from typing import Any, Literal, NamedTuple, Union
 
 import torch
 
@@ -177,6 +177,12 @@ def results_of(func: object, out_refs: Sequence[int | None], layouts: Mapping[in
     )
 
 
+class Later(enum.Enum):
+    """A field of an ``Op`` not worked out yet."""
+
+    CALL = enum.auto()
+
+
 @dataclass(slots=True)
 class Op:
     """One recorded call: an aten operation, or an opaque initializer (a Python function)."""
@@ -206,8 +212,9 @@ class Op:
     # How ``flat`` splits into the arguments when each is a leaf or a list of leaves, as for aten calls (see
     # ``plain_call``); else None, and ``spec`` says.
     plain: Plain | None = None
-    # The arguments as called, fake tensors left None, when they need no more than those put in (see ``call_of``).
-    call: Call | None = None
+    # The arguments as called, fake tensors left None, when they need no more than those put in (see ``call_of``):
+    # worked out by the first replay that calls it, as most recorded operations are never replayed on a rank.
+    call: Call | Literal[Later.CALL] | None = Later.CALL
     # The positions in ``flat`` of the integer and boolean tensors that it promoted to the default dtype: cast to
     # ``default_dtype`` before the call (see Note [The default dtype is passed, never set]).
     promoted: tuple[int, ...] = ()
@@ -241,6 +248,8 @@ class Op:
         if self.reads_default_dtype and self.default_dtype is not torch.get_default_dtype():
             raise _default_dtype_refused(self)
         call = self.call
+        if call is Later.CALL:
+            call = self.call = call_of(self)
         if call is not None and not generators and (device is None or not self.device_slots):
             # Most operations of a replay (the views and splits of FSDP2's sharding) take this way. The arguments
             # (size lists among them) are the record's, shared by every replay: replaced, never changed in place.
@@ -361,11 +370,14 @@ def call_of(op: Op) -> Call | None:
     if op.plain is None or op.constant_slots or op.generator_states:
         return None
     positional, names, containers = op.plain
-    first_list = next((at for at, container in enumerate(containers or ()) if container is not None), positional)
-    if any(slot.index >= min(positional, first_list) for slot in op.slots):
-        return None
+    before = positional  # the fake tensors' positions must lie before this: among the positional leaves, no list yet
+    if containers is not None:
+        before = min(positional, next(at for at, container in enumerate(containers) if container is not None))
+    for slot in op.slots:
+        if slot.index >= before:
+            return None
     arguments = op.flat if containers is None else _gathered(op.flat, containers)
-    return Call(tuple(arguments[:positional]), dict(zip(names, arguments[positional:], strict=True)))
+    return Call(tuple(arguments[:positional]), dict(zip(names, arguments[positional:], strict=True)) if names else {})
 
 
 def _gathered(flat: list[Any], containers: tuple[tuple[type, int] | None, ...]) -> list[Any]:

@@ -49,7 +49,6 @@ from modattrs._deferred.record import (
     Record,
     Results,
     Slot,
-    call_of,
     draws_on_cpu,
     plain_call,
     results_of,
@@ -575,7 +574,6 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         ``deferred_init`` returned, then costs what it uses of the record, not a pass over all of it."""
         record, index = self.record, len(self.record.ops)
         facts = facts or facts_of(op.func)
-        op.call = call_of(op)
         record.devices.update([slot.device for slot in op.slots])
         if op.device_slots:
             record.devices.update([op.flat[position] for position in op.device_slots])
