@@ -324,9 +324,25 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
             self._write_down(view, key, self._stand_in(key, view.viewed[2]))
 
     def _write_down(self, view: _UnwrittenView, key: Key, result: FakeTensor) -> None:
+        """Append the operation ``view`` was, whose result ``result`` is known by ``key``: the entry ``_begin`` and
+        ``_finish`` make of a view of one fake tensor given plain values (``_viewed_alone``), made directly. Its one
+        tensor argument is ``view.viewed``; it writes, draws and reads nothing and passes no default dtype (it is
+        given none and makes its argument's); its one result is new to the record (a result of its argument's key
+        was never left unwritten), on its argument's storage."""
+        ref, viewed_key, device = view.viewed
         args = (self._argument_placeholder(), *view.rest)
-        pending = self._begin(view.func, view.facts, args, view.kwargs, (), random=False, first=view.viewed)
-        self._finish(pending, result, key)
+        plain = plain_call(args, view.kwargs)
+        leaves, spec = _flattened(args, view.kwargs, plain)
+        laid = _is_laid(self.record.layouts.get(ref), viewed_key)
+        slot = Slot(0, ref, viewed_key[0], viewed_key[2], viewed_key[3], viewed_key[4], device, False, laid)
+        made = self._new_ref(key)
+        self.record.keys[key] = made
+        results = results_of(view.func, (made,), self.record.layouts)
+        arguments = ([None, *leaves[1:]], spec, plain)
+        op = _made_here(
+            view.func, (slot,), device=result.device, out_refs=(made,), results=results, arguments=arguments
+        )
+        self._append(op, view.facts)
 
     def _argument_placeholder(self) -> FakeTensor:
         """What stands for a view's argument when it is written down (``_write_down``): the record takes the
@@ -384,9 +400,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                 storage = key[0]
                 keys.append(key)
                 size, stride, dtype = key[2], key[3], key[4]  # the key holds them
-                layout = self.record.layouts.get(ref)  # a ref's layout is noted once, when it is made
-                geometry = (storage, size, stride, dtype)
-                laid = layout is not None and (layout.storage, layout.size, layout.stride, layout.dtype) == geometry
+                laid = _is_laid(self.record.layouts.get(ref), key)
                 written_here = id(value) in written
                 device = value.device if first is None or position else first[2]
                 slots.append(Slot(position, ref, storage, size, stride, dtype, device, written_here, laid))
@@ -466,14 +480,11 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         ``set_``), record an alias of it where it is (``key``), under a ref of its own: the tensors it was, to the
         record, stay there (a ``detach`` of it made earlier, a view that was its argument: see Note [Views that are
         their argument]), and name that ref from now on, as eager code's still see the old place."""
-        record = self.record
-        ref = record.next_ref
-        record.next_ref += 1
-        record.layouts[ref] = Layout(*key[:5])
-        record.keys[key] = ref
+        ref = self._new_ref(key)
+        self.record.keys[key] = ref
         viewed = dataclasses.replace(slot, index=0, written=False)
         alias, made = torch.ops.aten.alias.default, (ref,)
-        results = results_of(alias, made, record.layouts)
+        results = results_of(alias, made, self.record.layouts)
         self._append(_made_here(alias, (viewed,), device=slot.device, out_refs=made, results=results))
 
     def _constant(self, func: Callable[..., Any], position: int, tensor: torch.Tensor) -> Constant:
@@ -640,9 +651,7 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
                     shared = (key[0], key[4], key[5], key[6])
             ref = pending.arg_refs.get(id(leaf))
             if ref is None:
-                ref = record.next_ref
-                record.next_ref += 1
-                record.layouts[ref] = Layout(key[0], key[1], key[2], key[3], key[4])
+                ref = self._new_ref(key)
             elif id(leaf) in pending.mutated:
                 writes.add(key[0])  # set_ and resize_ move it to another storage
             record.keys[key] = ref
@@ -651,6 +660,15 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         if device is None:
             device = next((slot.device for slot in pending.slots if slot.written), None)
         return tuple(out_refs), frozenset(writes), device
+
+    def _new_ref(self, key: Key) -> int:
+        """A new ref, for a tensor made where ``key`` says, with its layout noted (once: a ref's layout never
+        changes; a tensor moved in place gets a new ref, see ``_keep_place``)."""
+        record = self.record
+        ref = record.next_ref
+        record.next_ref += 1
+        record.layouts[ref] = Layout(key[0], key[1], key[2], key[3], key[4])
+        return ref
 
     def _ref_of(self, tensor: FakeTensor, func: Callable[..., Any]) -> tuple[int, Key]:
         """The ref and the key of a fake tensor given to ``func``."""
@@ -900,14 +918,20 @@ def _made_here(
     results: Results = NO_RESULTS,
     draws: Draws = Draws.NONE,
     reset: Position | None = None,
+    arguments: tuple[list[Any], TreeSpec, Plain | None] | None = None,
 ) -> Op:
-    """An operation the recorder adds itself, without arguments but ``slots`` (read, not written), writing
-    nothing: the generator noted after construction, an alias kept at a tensor's old place."""
+    """An operation that reads nothing but metadata and writes nothing, given ``slots`` (not written): one the
+    recorder adds itself, without ``arguments`` but those (the generator noted after construction, an alias kept at
+    a tensor's old place), or a view written down when used, with its arguments' leaves (fake tensors None), spec
+    and plain structure."""
+    if arguments is None:
+        arguments = [None] * len(slots), tree_flatten((tuple([None] * len(slots)), {}))[1], (len(slots), (), None)
+    flat, spec, plain = arguments
     return Op(
         func=func,
-        flat=[None] * len(slots),
-        spec=tree_flatten((tuple([None] * len(slots)), {}))[1],
-        plain=(len(slots), (), None),
+        flat=flat,
+        spec=spec,
+        plain=plain,
         slots=slots,
         constant_slots=(),
         device_slots=(),
@@ -919,7 +943,7 @@ def _made_here(
         writes=frozenset(),
         value_writer=False,
         overwrites=frozenset(),
-        touched=frozenset(slot.storage for slot in slots),
+        touched=results.storages.union([slot.storage for slot in slots]),
         draws=draws,
         device=device,
         reset=reset,
@@ -1083,6 +1107,17 @@ def _overwritten(slots: Sequence[Slot], flat: Sequence[Any]) -> frozenset[int]:
         if covers and not others:
             whole.add(slot.storage)
     return frozenset(whole)
+
+
+def _is_laid(layout: Layout | None, key: Key) -> bool:
+    """``Slot.laid`` of a tensor known by ``key`` whose ref has ``layout``: whether it sits where its ref was made
+    (the storage, sizes, strides and dtype of both; a layout holds its offset, a slot none)."""
+    return layout is not None and (layout.storage, layout.size, layout.stride, layout.dtype) == (
+        key[0],
+        key[2],
+        key[3],
+        key[4],
+    )
 
 
 def _dense_in_some_order(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
