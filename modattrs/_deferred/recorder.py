@@ -326,9 +326,9 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
     def _write_down(self, view: _UnwrittenView, key: Key, result: FakeTensor) -> None:
         """Append the operation ``view`` was, whose result ``result`` is known by ``key``: the entry ``_begin`` and
         ``_finish`` make of a view of one fake tensor given plain values (``_viewed_alone``), made directly. Its one
-        tensor argument is ``view.viewed``; it writes, draws and reads nothing and passes no default dtype (it is
-        given none and makes its argument's); its one result is new to the record (a result of its argument's key
-        was never left unwritten), on its argument's storage."""
+        tensor argument is ``view.viewed``. It writes, draws and reads nothing, and reads no default dtype (its
+        result has its argument's dtype, or one it is given: ``view(torch.int32)``). Its one result is new to the
+        record (a view that made its argument's key was not left unwritten), on its argument's storage."""
         ref, viewed_key, device = view.viewed
         args = (self._argument_placeholder(), *view.rest)
         plain = plain_call(args, view.kwargs)
@@ -920,10 +920,10 @@ def _made_here(
     reset: Position | None = None,
     arguments: tuple[list[Any], TreeSpec, Plain | None] | None = None,
 ) -> Op:
-    """An operation that reads nothing but metadata and writes nothing, given ``slots`` (not written): one the
-    recorder adds itself, without ``arguments`` but those (the generator noted after construction, an alias kept at
-    a tensor's old place), or a view written down when used, with its arguments' leaves (fake tensors None), spec
-    and plain structure."""
+    """An operation that reads no values and writes nothing, given ``slots`` (not written). Without ``arguments``,
+    one the recorder adds itself, whose only arguments are its slots (the generator noted after construction, an
+    alias kept at a tensor's old place); with them, a view written down when used: its arguments' leaves (its fake
+    tensor None), their spec and their plain structure."""
     if arguments is None:
         arguments = [None] * len(slots), tree_flatten((tuple([None] * len(slots)), {}))[1], (len(slots), (), None)
     flat, spec, plain = arguments
