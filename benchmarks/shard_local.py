@@ -710,10 +710,11 @@ def layout_rows(
     seconds = dict.fromkeys(cases, math.inf)
     streams: dict[tuple[str, int, int, int], Stream] = {}
     problems: dict[str, list[str]] = {label: [] for label, _, _ in LAYOUTS}
+    raised: set[tuple[str, int, int, int]] = set()  # not run again in later rounds
     for round_ in range(runs):
         for case in cases:
             label, dp, tp, rank = case
-            if any(problem.startswith(f"rank {rank} raised") for problem in problems[label]):
+            if case in raised:
                 continue
             coordinates = coordinates_of(rank, tp)
             try:
@@ -731,6 +732,7 @@ def layout_rows(
             except Exception as error:
                 traceback.print_exc()
                 problems[label].append(f"rank {rank} raised {type(error).__name__}: {first_line(error)}")
+                raised.add(case)
             progress(f"{subject.key}: round {round_ + 1} of {runs}: {label}, rank {rank}: {seconds[case]:.3f} s")
         if round_ + 1 < runs:
             eager_s = min(eager_s, eager_once(subject))
