@@ -255,8 +255,15 @@ def overloads_of(*packets: Any) -> frozenset[OpOverload]:
 
 
 def operator_arguments(func: OpOverload) -> tuple[str, ...]:
-    """The names of an aten operation's arguments, from its schema: no public accessor. Checked on 2.8 to 2.15."""
-    return tuple(argument.name for argument in func._schema.arguments)
+    """The names of an aten operation's arguments, from its schema: no public accessor. Checked on 2.8 to 2.15.
+    Read once per operator (by its id: an OpOverload hashes in Python code, as dear as reading the schema)."""
+    found = _ARGUMENT_NAMES.get(id(func))
+    if found is None or found[0] is not func:
+        found = _ARGUMENT_NAMES[id(func)] = (func, tuple(argument.name for argument in func._schema.arguments))
+    return found[1]
+
+
+_ARGUMENT_NAMES: dict[int, tuple[OpOverload, tuple[str, ...]]] = {}
 
 
 def forget_real_tensors(mode: FakeTensorMode) -> None:

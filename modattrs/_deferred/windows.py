@@ -302,10 +302,13 @@ def _plan(
     copied: dict[int, list[Layout]] = {}  # a CLONE's or CAT's index -> the parts of its sources it copies
     # A storage copied from others (a CLONE, a CAT) is planned before the storages it copies from, whose windows
     # then hold only the parts copied.
-    for storage in _copies_first(record, touching):
+    order, first_copies = _copies_first(record, touching)
+    for storage in order:
         if storage in whole:
             continue
-        window = _window(record, storage, touching[storage], spans.get(storage, []), walk.kind_of, copied)
+        window = _window(
+            record, storage, touching[storage], spans.get(storage, []), walk.kind_of, copied, first_copies[storage]
+        )
         if window is not None:
             found[storage] = window
             for index in _copies_of(window):
@@ -324,17 +327,19 @@ def _plan(
     return windows
 
 
-def _copies_first(record: Record, touching: Mapping[int, list[int]]) -> list[int]:
+def _copies_first(record: Record, touching: Mapping[int, list[int]]) -> tuple[list[int], dict[int, int | None]]:
     """The storages of ``touching`` (in the order of their first touch), each before those it may be copied from:
     what the first operation on it reads (a ``clone``, a ``cat``), and what the first ``copy_`` into it after
-    metadata reads reads (see ``_copied_whole``). Most storages are made before what is copied from them, so this is
-    mostly last touched first; a weight made by its constructor and later overwritten by a ``copy_`` of a ``cat`` is
-    made before its source."""
+    metadata reads reads (see ``_copied_whole``); and where in its operations that ``copy_`` is, by storage (see
+    ``_first_copy_into``). Most storages are made before what is copied from them, so this is mostly last touched
+    first; a weight made by its constructor and later overwritten by a ``copy_`` of a ``cat`` is made before its
+    source."""
     ops = record.ops
     sources: dict[int, list[int]] = {}
+    first_copies: dict[int, int | None] = {}
     for storage, indices in touching.items():
         read = [slot.storage for slot in ops[indices[0]].slots]
-        at = _first_copy_into(ops, indices, storage)
+        at = first_copies[storage] = _first_copy_into(ops, indices, storage)
         if at is not None:
             read.extend(slot.storage for slot in ops[indices[at]].slots)
         sources[storage] = [source for source in read if source != storage and source in touching]
@@ -354,7 +359,7 @@ def _copies_first(record: Record, touching: Mapping[int, list[int]]) -> list[int
             elif source not in seen:
                 seen.add(source)
                 stack.append((source, iter(sources[source])))
-    return finished[::-1]
+    return finished[::-1], first_copies
 
 
 def _first_touch(record: Record) -> Callable[[int], tuple[int, int]]:
@@ -438,8 +443,14 @@ def _window(
     target_spans: list[range],
     kind_of: Callable[[int], str | None],
     copied: Mapping[int, list[Layout]],
+    first_copy: int | None,
 ) -> Window | None:
     ops, layouts = record.ops, record.layouts
+    if target_spans:  # whatever made the storage whole made it as the layout of its only result
+        results = ops[indices[0]].out_refs
+        laid = layouts.get(results[0]) if len(results) == 1 and results[0] is not None else None
+        if laid is not None and laid.storage == storage and _covered(target_spans, math.prod(laid.size)):
+            return None  # all of it is a target's (FSDP2's padded shard)
     whole: Layout | None
     cloned: Layout | None = None
     concatenated: tuple[Layout, int, list[Layout]] | None = None
@@ -447,7 +458,7 @@ def _window(
     later = indices[1:]
     # A factory whose memory a copy_ then writes all of (a creator too: torchtitan's fused wqkv, made by nn.Linear
     # and overwritten by a copy_ of a cat) makes nothing (see the CREATE role in _run).
-    copy = _copied_whole(ops, indices, storage, layouts)
+    copy = _copied_whole(ops, indices, storage, layouts, first_copy)
     if copy is not None:
         at, whole, cloned = copy
         roles.update(dict.fromkeys(indices[1:at], Role.METADATA))
@@ -664,17 +675,18 @@ def _rows_copied(made: Layout, read: Layout) -> bool:
 
 
 def _copied_whole(
-    ops: Sequence[Op], indices: Sequence[int], storage: int, layouts: Mapping[int, Layout]
+    ops: Sequence[Op], indices: Sequence[int], storage: int, layouts: Mapping[int, Layout], at: int | None
 ) -> tuple[int, Layout, Layout] | None:
     """Where in ``indices`` (the operations touching ``storage``) a ``copy_`` writes all of ``storage`` from a view
     of another storage of the same sizes and dtype, when the first of them made it whole, contiguous from its start,
     with values nothing reads (a factory: a creator, or ``empty_like``, which is all a scatter's output is), and
     those in between only read its metadata; with the layouts of the whole storage and of the view copied. To a
-    window the copy is a ``clone`` of that view, and the factory's memory is never made. Else None."""
-    factory = ops[indices[0]]
-    made = _created(factory, storage, layouts, like=True)
-    at = _first_copy_into(ops, indices, storage)
-    if made is None or at is None:
+    window the copy is a ``clone`` of that view, and the factory's memory is never made. Else None. ``at``: where
+    the first ``copy_`` into ``storage`` is, if only metadata reads come before it (``_first_copy_into``)."""
+    if at is None:
+        return None
+    made = _created(ops[indices[0]], storage, layouts, like=True)
+    if made is None:
         return None
     op = ops[indices[at]]
     if len(op.slots) != 2 or op.constant_slots or op.writes != {storage} or op.out_refs != (op.slots[0].ref,):
