@@ -264,6 +264,54 @@ def test_a_buffer_viewing_another_through_views_nothing_else_keeps_materializes_
     assert torch.equal(materialized.table, eager.table)
 
 
+class DrawnTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.empty(40_000).uniform_())
+
+
+def keep_only_views_of_the_table(module: nn.Module, *, other_dtype: bool = False) -> None:
+    """Replace ``module.table`` by views of parts of it far apart, as FSDP2 replaces a parameter by views of a shard:
+    views made after deferred_init, which nothing uses until materializing."""
+    whole = module.table.detach()
+    del module.table
+    module.register_buffer("head", whole[100:110])
+    module.register_buffer("tail", whole[30_000:30_010].view(2, 5))
+    if other_dtype:
+        module.register_buffer("bits", whole[200:204].view(torch.int32))
+
+
+@pytest.mark.parametrize("other_dtype", [False, True], ids=["one dtype", "and a view in another dtype"])
+def test_views_made_after_deferred_init_of_parts_of_a_tensor_far_apart_materialize_as_eager_code_makes_them(
+    other_dtype: bool,
+) -> None:
+    torch.manual_seed(0)
+    eager = DrawnTable()
+    keep_only_views_of_the_table(eager, other_dtype=other_dtype)
+    torch.manual_seed(0)
+    deferred = deferred_init(DrawnTable)
+    keep_only_views_of_the_table(deferred, other_dtype=other_dtype)
+    materialize_module(deferred)
+    assert not is_deferred(deferred)
+    assert_bit_identical(eager, deferred)
+    assert deferred.tail.data_ptr() == deferred.head.data_ptr() + 29_900 * 4  # one memory, as in eager code
+    deferred.head.fill_(7)
+    eager.head.fill_(7)
+    assert_bit_identical(eager, deferred)
+
+
+def test_a_view_made_after_deferred_init_materialized_alone_brings_the_views_sharing_its_storage_along() -> None:
+    torch.manual_seed(0)
+    eager = DrawnTable()
+    keep_only_views_of_the_table(eager)
+    torch.manual_seed(0)
+    deferred = deferred_init(DrawnTable)
+    keep_only_views_of_the_table(deferred)
+    materialize_tensor(deferred.tail)
+    assert not is_deferred(deferred)
+    assert_bit_identical(eager, deferred)
+
+
 def test_a_tensor_that_carried_a_graph_comes_back_as_its_value() -> None:
     deferred = materialize_module(deferred_init(ViewsAndGraphs))
     assert deferred.product.grad_fn is None

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from modattrs._deferred.record import DeferredInitError
+from modattrs._deferred.record import DeferredInitError, Layout
 from modattrs._deferred.recorder import RecordingFakeTensorMode, recording_mode, value_read_errors
 from modattrs._deferred.replay import replay
 from modattrs._fake import spoofed_cuda
@@ -85,7 +85,10 @@ def _replay_and_swap(
             _add_aliases(tensors, mode, recorded_root, walked=full and recorded_root is module)
             if recorded_root is not module:
                 tops.append(recorded_root)
-    refs = {key: refs_of(label, tensor) for _, tensors in groups.values() for key, (label, tensor) in tensors.items()}
+    refs: dict[int, tuple[int, int]] = {}
+    seen_through: dict[int, int] = {}  # a chosen view not written down -> the chosen tensor whose memory it views
+    for mode, tensors in groups.values():
+        seen_through.update(_refs_and_views(mode, tensors, refs))
     everything = [entry for _, tensors in groups.values() for entry in tensors.values()]
     # See Note [Block by block without walking the model]: the scope is walked only when something is to be found.
     weakly_held = any(weakref.getweakrefcount(tensor) for _, tensor in everything)
@@ -96,11 +99,23 @@ def _replay_and_swap(
         swaps: list[tuple[str, FakeTensor, Tensor]] = []
         try:
             for mode, tensors in groups.values():
-                targets = dict(refs[key] for key in tensors)
-                labels = {refs[key][0]: label for key, (label, _) in tensors.items()}
-                reals = replay(mode.record, targets, labels, device=device, to_end=mode is root_mode, threads=threads)
+                targets = dict(refs[key] for key in tensors if key in refs)
+                labels = {refs[key][0]: label for key, (label, _) in tensors.items() if key in refs}
+                views = [
+                    _layout_of(tensor, refs[seen_through[key]][1])
+                    for key, (_, tensor) in tensors.items()
+                    if key in seen_through
+                ]
+                reals = replay(
+                    mode.record, targets, labels, device=device, to_end=mode is root_mode, threads=threads, views=views
+                )
                 for key, (label, tensor) in tensors.items():
-                    swaps.append((label, tensor, _real_twin(label, tensor, reals[refs[key][0]], device)))
+                    if key in seen_through:
+                        seen = tensors[seen_through[key]][1]
+                        real = _same_memory(tensor, seen, reals[refs[seen_through[key]][0]])
+                    else:
+                        real = reals[refs[key][0]]
+                    swaps.append((label, tensor, _real_twin(label, tensor, real, device)))
         except BaseException:
             torch.default_generator.set_state(saved)
             raise
@@ -331,6 +346,56 @@ def _same_device(one: torch.device, other: torch.device) -> bool:
 
 def ref_of(label: str, tensor: FakeTensor) -> int:
     return refs_of(label, tensor)[0]
+
+
+def _refs_and_views(mode: RecordingFakeTensorMode, tensors: Chosen, refs: dict[int, tuple[int, int]]) -> dict[int, int]:
+    """Put into ``refs`` the ref and storage of each of ``tensors`` (chosen ones of ``mode``'s record), but for views
+    not written down yet that view the memory of another of them, in its dtype: return those, each with the one
+    whose memory it views.
+
+    Note [A view of a chosen tensor's memory is made from it]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    FSDP2 keeps, beside each sharded parameter (a ``narrow`` of its padded shard), a ``view(-1)`` of all of the
+    padded shard, and materializing makes both real (they share storage). Written down and replayed, that view costs
+    an operation in the record and one in the replay per parameter, for what is the other tensor's memory seen
+    through another geometry. So a chosen tensor known only by a view not written down (``is_unwritten_view``),
+    with another chosen tensor on its storage in its dtype, is not replayed: its real twin is that tensor's real
+    one, seen through its own offset, sizes and strides. The replay is told where it lies (``views``), so that the
+    memory made for that storage holds it: all of it when it is a target's, a window wide enough when not. The
+    view stays not written down; nothing uses it but the swap, after which it is real.
+    """
+    by_storage: dict[tuple[int, torch.dtype, torch.device], int] = {}
+    views: dict[int, int] = {}
+    unwritten = []
+    for key, (label, tensor) in tensors.items():
+        if mode.is_unwritten_view(tensor) and not (tensor.is_conj() or tensor.is_neg()):
+            unwritten.append(key)
+            continue
+        refs[key] = refs_of(label, tensor)
+        if not (tensor.is_conj() or tensor.is_neg()):  # a replay gives those a copy of their own
+            by_storage.setdefault((refs[key][1], tensor.dtype, tensor.device), key)
+    for key in unwritten:
+        label, tensor = tensors[key]
+        seen = by_storage.get((mode.storage_of(tensor), tensor.dtype, tensor.device))
+        if seen is not None:
+            views[key] = seen
+        else:
+            refs[key] = refs_of(label, tensor)  # written down now
+            by_storage.setdefault((refs[key][1], tensor.dtype, tensor.device), key)
+    return views
+
+
+def _layout_of(tensor: FakeTensor, storage: int) -> Layout:
+    """Where ``tensor`` lies in ``storage`` (its own), in elements of its dtype."""
+    return Layout(storage, int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+
+
+def _same_memory(view: FakeTensor, seen: FakeTensor, real: Tensor) -> Tensor:
+    """The real tensor that ``view`` is, given ``real``, the real twin of ``seen``, a tensor on ``view``'s storage in
+    its dtype: ``real``'s memory seen through ``view``'s geometry (Note [A view of a chosen tensor's memory is made
+    from it]). as_strided raises if that memory does not hold it."""
+    offset = real.storage_offset() + view.storage_offset() - seen.storage_offset()
+    return real.as_strided(view.shape, view.stride(), offset)
 
 
 def refs_of(label: str, tensor: FakeTensor) -> tuple[int, int]:

@@ -287,6 +287,12 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         with rng.lock:
             return self._storage_of(tensor)
 
+    def is_unwritten_view(self, tensor: FakeTensor) -> bool:
+        """Whether ``tensor`` is known by a view not written down yet (Note [Views written down when used]), which
+        ``ref_and_storage_of`` would write down."""
+        with rng.lock:
+            return self._key_of(tensor) in self._unwritten_views
+
     def forget(self, tensors: Iterable[FakeTensor]) -> None:
         """Drop the weak references torch's fake tensor machinery keeps to ``tensors`` (the memo of fakes made from
         real tensors, and of constants), which ``torch.utils.swap_tensors`` would refuse."""

@@ -11,14 +11,14 @@ of fills that the shard-local planner (``windows.Plan``) makes alone. Operations
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from modattrs._deferred import rng, windows
 from modattrs._deferred.ops import facts_of
-from modattrs._deferred.record import Copies, DeferredInitError, Op, Record, reads_no_values
+from modattrs._deferred.record import Copies, DeferredInitError, Layout, Op, Record, reads_no_values
 from modattrs._deferred.slicing import Slice, keep_results, slice_of
 from modattrs._torch_private import OpOverload
 
@@ -33,9 +33,12 @@ def replay(
     device: torch.device | None,
     to_end: bool,
     threads: int = 1,
+    views: Sequence[Layout] = (),
 ) -> dict[int, torch.Tensor]:
     """Run what the refs in ``targets`` (ref to its storage) need, for real, and return them by ref; ``labels``
-    names them for messages.
+    names them for messages. ``views``: where tensors lie that the caller makes from the memory of a target on
+    their storage (see Note [A view of a chosen tensor's memory is made from it] in ``materialize``): the memory made
+    for that storage holds them.
 
     With ``to_end``, the default CPU generator is left where eager construction would have left it (unless the
     caller reseeded it since); otherwise the replay stops after the last operation needed and the generator is put
@@ -45,7 +48,7 @@ def replay(
         sliced = slice_of(record, targets)
         _check_devices(record, sliced.kept, device)
         _refuse_collectives(record, sliced.kept, targets, labels)
-        plan = windows.Plan(record, sliced.kept, targets, walk, device, copies={})
+        plan = windows.Plan(record, sliced.kept, targets, walk, device, copies={}, views=views)
         env = _run_kept(record, sliced, walk, plan, device, threads)
         if to_end and not record.settled:  # a settled record's end is where the generator is already
             walk.reach(len(record.ops))

@@ -237,12 +237,13 @@ class Plan:
         walk: rng.Walk,
         device: torch.device | None,
         copies: Copies,
+        views: Sequence[Layout] = (),
     ) -> None:
         """Plan the windows of a replay of ``kept`` (operation indices, ascending) of ``record`` for ``targets`` (ref
-        -> storage), onto ``device``, sharing the replay's ``copies`` of constants. Replays onto another device than
-        the CPU make no windows."""
+        -> storage), onto ``device``, sharing the replay's ``copies`` of constants; ``views`` lie where the memory
+        made must hold them, as a target's. Replays onto another device than the CPU make no windows."""
         self.record, self.walk, self.device, self.copies = record, walk, device, copies
-        self.windows = _plan(record, kept, targets, walk, device)
+        self.windows = _plan(record, kept, targets, walk, device, views)
         self.on: dict[int, list[Window]] = {}  # operation index -> the windows it has a role in
         for window in self.windows.values():
             for index in window.roles:
@@ -279,7 +280,12 @@ class Plan:
 
 
 def _plan(
-    record: Record, kept: list[int], targets: Mapping[int, int], walk: rng.Walk, device: torch.device | None
+    record: Record,
+    kept: list[int],
+    targets: Mapping[int, int],
+    walk: rng.Walk,
+    device: torch.device | None,
+    views: Sequence[Layout] = (),
 ) -> dict[int, Window]:
     """The windows of ``Plan``, by storage."""
     if device is not None and device.type != "cpu":
@@ -298,6 +304,8 @@ def _plan(
             whole.add(storage)
         else:
             spans.setdefault(storage, []).extend(_runs(layout))
+    for layout in views:
+        spans.setdefault(layout.storage, []).extend(_runs(layout))
     found: dict[int, Window] = {}
     copied: dict[int, list[Layout]] = {}  # a CLONE's or CAT's index -> the parts of its sources it copies
     # A storage copied from others (a CLONE, a CAT) is planned before the storages it copies from, whose windows
