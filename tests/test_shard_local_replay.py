@@ -313,6 +313,34 @@ def test_the_padding_fsdp2_adds_to_an_uneven_shard_is_zeros_as_in_eager_sharding
         assert torch.equal(shard, expected[name]), name
 
 
+class CreatorFilled(nn.Module):
+    """Parameters holding their creator's fill, written in place or not, as a norm's weight: FSDP2 copies each rank's
+    rows of them into its padded shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(24))
+        self.filled = nn.Parameter(torch.full((26, 3), 2.0).mul_(1.5))  # elementwise, all of it
+        marked = torch.ones(30, 2)
+        marked[5].fill_(4.0)  # elementwise, a part of it: inside some ranks' rows, outside others'
+        marked[29].zero_()
+        self.marked = nn.Parameter(marked)
+
+
+@pytest.mark.parametrize(("size", "rank"), [(1, 0), (4, 0), (4, 3), (8, 7)], ids=str)
+def test_parameters_holding_their_creators_fill_are_the_eager_slices_in_the_padded_shard(
+    size: int, rank: int, empty_is_nan: None
+) -> None:
+    reference, state_after_eager = eager(CreatorFilled)
+    with fake_world((size,), rank) as mesh:
+        torch.manual_seed(0)
+        model = deferred_init(CreatorFilled)
+        fully_shard(model, mesh=mesh)
+        materialize_module(model)
+        assert_slices_of(model, reference, size, rank)
+    assert torch.equal(torch.get_rng_state(), state_after_eager)
+
+
 class SameShapesOtherDraws(nn.Module):
     """Parameters of one layout drawn by calls that differ only in their numbers, or in how those are passed."""
 

@@ -83,7 +83,9 @@ and the copy is not run. That gives the same values only when nothing tells the 
 window only when
 
 - the first thing to write the window is a random fill that writes all of it (the host's own fill, which the
-  window's memory now holds, is never read);
+  window's memory now holds, is never read), or nothing but elementwise writes do (a norm's weight, made by
+  ``ones``): then the window's creator runs on the window's size when it would have, and its fill is written into
+  the host's part;
 - the copy is the window's only reader (so nothing after it writes the window: the slice keeps a write only for
   a later reader), and no target is on the window's storage (a target on it would see what later writes into
   the host);
@@ -178,6 +180,7 @@ class Window:
     # For a window made by a CAT: where in the window each part of an input lands (element, then the part: a run
     # of its input's storage), in the order of the window's elements.
     parts: tuple[tuple[int, Layout], ...] = ()
+    creator_read: bool = False  # hosted, and its creator's fill is read: written into the host's part
 
     def memory(self) -> torch.Tensor:
         """The window's memory, made now if it is not yet: its part of its host, or else its creator's result. The
@@ -405,8 +408,11 @@ def _host(record: Record, window: Window, touching: Mapping[int, list[int]], win
     if read.span != range(window.start, window.stop) or not _contiguous(read) or not _contiguous(laid):
         return None  # the copy reads other than all of the window, or not in its order
     first_write = next(role for role in roles.values() if role not in (Role.CREATE, Role.VIEW, Role.METADATA))
-    if first_write not in (Role.DRAW, Role.CLONE):  # (roles are in the order of the operations)
-        return None  # the window holds its creator's fill when the copy reads it, not the host's
+    # (roles are in the order of the operations) What the copy reads is a fill of all of the window, or else the
+    # creator's fill, then maybe elementwise writes: the creator's fill is then written into the host's part.
+    creator_read = first_write in (Role.READ, Role.ELEMENTWISE) and next(iter(roles.values())) == Role.CREATE
+    if first_write not in (Role.DRAW, Role.CLONE) and not creator_read:
+        return None
     factory, *between = touching[host]
     made = _created(ops[factory], host, layouts)
     if made is None or made.dtype != window.dtype:
@@ -420,6 +426,7 @@ def _host(record: Record, window: Window, touching: Mapping[int, list[int]], win
             return None
     roles[factory] = Role.HOST
     roles[reader] = Role.COPIED
+    window.creator_read = creator_read
     return Host(factory, laid.offset)
 
 
@@ -949,5 +956,10 @@ def _run(plan: Plan, op: Op, index: int, on: list[Window], env: dict[int, torch.
         # Else the window is its host's memory (see memory), or a later copy of all of it from a view makes it.
         if made.host is None and made.source is None:
             create(op, made, op.arguments(window_arguments(op, windows, env), device, copies=copies))
+        elif made.creator_read:  # its fill, written where the window lies in its host
+            create(op, made, op.arguments(window_arguments(op, windows, env), device, copies=copies))
+            assert made.make is not None
+            fill, made.make = made.make, None
+            made.memory().copy_(fill())
         return True
     return False
