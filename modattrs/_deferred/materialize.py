@@ -358,7 +358,7 @@ def _refs_and_views(mode: RecordingFakeTensorMode, tensors: Chosen, refs: dict[i
     FSDP2 keeps, beside each sharded parameter (a ``narrow`` of its padded shard), a ``view(-1)`` of all of the
     padded shard, and materializing makes both real (they share storage). Written down and replayed, that view costs
     an operation in the record and one in the replay per parameter, for what is the other tensor's memory seen
-    through another geometry. So a chosen tensor known only by a view not written down (``is_unwritten_view``),
+    through another geometry. So a chosen tensor known only by a view not written down (``ref_storage_or_view``),
     with another chosen tensor on its storage in its dtype, is not replayed: its real twin is that tensor's real
     one, seen through its own offset, sizes and strides. The replay is told where it lies (``views``), so that the
     memory made for that storage holds it: all of it when it is a target's, a window wide enough when not. The
@@ -368,20 +368,22 @@ def _refs_and_views(mode: RecordingFakeTensorMode, tensors: Chosen, refs: dict[i
     views: dict[int, int] = {}
     unwritten = []
     for key, (label, tensor) in tensors.items():
-        if mode.is_unwritten_view(tensor) and not (tensor.is_conj() or tensor.is_neg()):
-            unwritten.append(key)
+        ref, storage, unwritten_view = mode.ref_storage_or_view(tensor)
+        alike = not (tensor.is_conj() or tensor.is_neg())  # a replay gives those a copy of their own
+        if unwritten_view and alike:
+            unwritten.append((key, storage))
             continue
-        refs[key] = refs_of(label, tensor)
-        if not (tensor.is_conj() or tensor.is_neg()):  # a replay gives those a copy of their own
-            by_storage.setdefault((refs[key][1], tensor.dtype, tensor.device), key)
-    for key in unwritten:
+        refs[key] = refs_of(label, tensor) if unwritten_view else _checked(label, tensor, ref, storage)
+        if alike:
+            by_storage.setdefault((storage, tensor.dtype, tensor.device), key)
+    for key, storage in unwritten:
         label, tensor = tensors[key]
-        seen = by_storage.get((mode.storage_of(tensor), tensor.dtype, tensor.device))
+        seen = by_storage.get((storage, tensor.dtype, tensor.device))
         if seen is not None:
             views[key] = seen
         else:
             refs[key] = refs_of(label, tensor)  # written down now
-            by_storage.setdefault((refs[key][1], tensor.dtype, tensor.device), key)
+            by_storage.setdefault((storage, tensor.dtype, tensor.device), key)
     return views
 
 
@@ -404,6 +406,11 @@ def refs_of(label: str, tensor: FakeTensor) -> tuple[int, int]:
     if mode is None:
         raise _not_recorded(label)
     ref, storage = mode.ref_and_storage_of(tensor)
+    return _checked(label, tensor, ref, storage)
+
+
+def _checked(label: str, tensor: FakeTensor, ref: int | None, storage: int) -> tuple[int, int]:
+    """``ref`` and ``storage``, what the record knows a chosen fake tensor by; raises if it knows no ref."""
     if ref is None and tensor.untyped_storage().device.type != "meta":
         raise DeferredInitError(
             f"{label} had its data replaced by a real tensor (`.data = real`), which no operation records.\n"

@@ -287,11 +287,14 @@ class RecordingFakeTensorMode(ModattrsFakeTensorMode):  # type: ignore[no-untype
         with rng.lock:
             return self._storage_of(tensor)
 
-    def is_unwritten_view(self, tensor: FakeTensor) -> bool:
-        """Whether ``tensor`` is known by a view not written down yet (Note [Views written down when used]), which
-        ``ref_and_storage_of`` would write down."""
+    def ref_storage_or_view(self, tensor: FakeTensor) -> tuple[int | None, int, bool]:
+        """``ref_and_storage_of``, but for a tensor known by a view not written down yet (Note [Views written down
+        when used]): that view is left as it is, and the ref is None; with whether it is such a view."""
         with rng.lock:
-            return self._key_of(tensor) in self._unwritten_views
+            key = self._key_of(tensor)
+            if key in self._unwritten_views:
+                return None, key[0], True
+            return self.record.keys.get(key), key[0], False
 
     def forget(self, tensors: Iterable[FakeTensor]) -> None:
         """Drop the weak references torch's fake tensor machinery keeps to ``tensors`` (the memo of fakes made from
