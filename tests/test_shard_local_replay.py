@@ -333,11 +333,7 @@ def test_parameters_holding_their_creators_fill_are_the_eager_slices_in_the_padd
 ) -> None:
     reference, state_after_eager = eager(CreatorFilled)
     with fake_world((size,), rank) as mesh:
-        torch.manual_seed(0)
-        model = deferred_init(CreatorFilled)
-        fully_shard(model, mesh=mesh)
-        materialize_module(model)
-        assert_slices_of(model, reference, size, rank)
+        assert_slices_of(sharded(CreatorFilled, mesh, blockwise=False), reference, size, rank)
     assert torch.equal(torch.get_rng_state(), state_after_eager)
 
 

@@ -112,7 +112,7 @@ def _replay_and_swap(
                 for key, (label, tensor) in tensors.items():
                     if key in seen_through:
                         seen = tensors[seen_through[key]][1]
-                        real = _same_memory(tensor, seen, reals[refs[seen_through[key]][0]])
+                        real = _same_memory(label, tensor, seen, reals[refs[seen_through[key]][0]])
                     else:
                         real = reals[refs[key][0]]
                     swaps.append((label, tensor, _real_twin(label, tensor, real, device)))
@@ -392,12 +392,19 @@ def _layout_of(tensor: FakeTensor, storage: int) -> Layout:
     return Layout(storage, int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
 
 
-def _same_memory(view: FakeTensor, seen: FakeTensor, real: Tensor) -> Tensor:
-    """The real tensor that ``view`` is, given ``real``, the real twin of ``seen``, a tensor on ``view``'s storage in
-    its dtype: ``real``'s memory seen through ``view``'s geometry (Note [A view of a chosen tensor's memory is made
-    from it]). as_strided raises if that memory does not hold it."""
+def _same_memory(label: str, view: FakeTensor, seen: FakeTensor, real: Tensor) -> Tensor:
+    """The real tensor that ``view`` (``label`` names it) is, given ``real``, the real twin of ``seen``, a tensor on
+    ``view``'s storage in its dtype: ``real``'s memory seen through ``view``'s geometry (Note [A view of a chosen
+    tensor's memory is made from it])."""
     offset = real.storage_offset() + view.storage_offset() - seen.storage_offset()
-    return real.as_strided(view.shape, view.stride(), offset)
+    try:
+        return real.as_strided(view.shape, view.stride(), offset)
+    except RuntimeError as error:  # the replay made less of the storage than the view spans: not expected
+        raise DeferredInitError(
+            f"replaying {label} gave memory that does not hold it, a view of the memory of another tensor.\n"
+            f"reason: {error}\n"
+            "This is a bug in modattrs, please report it"
+        ) from error
 
 
 def refs_of(label: str, tensor: FakeTensor) -> tuple[int, int]:

@@ -1121,12 +1121,10 @@ def _overwritten(slots: Sequence[Slot], flat: Sequence[Any]) -> frozenset[int]:
 def _is_laid(layout: Layout | None, key: Key) -> bool:
     """``Slot.laid`` of a tensor known by ``key`` whose ref has ``layout``: whether it sits where its ref was made
     (the storage, sizes, strides and dtype of both; a layout holds its offset, a slot none)."""
-    return layout is not None and (layout.storage, layout.size, layout.stride, layout.dtype) == (
-        key[0],
-        key[2],
-        key[3],
-        key[4],
-    )
+    if layout is None:
+        return False
+    storage, _, size, stride, dtype = key[:5]
+    return layout.storage == storage and layout.size == size and layout.stride == stride and layout.dtype == dtype
 
 
 def _dense_in_some_order(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:

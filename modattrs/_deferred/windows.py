@@ -954,12 +954,11 @@ def _run(plan: Plan, op: Op, index: int, on: list[Window], env: dict[int, torch.
     if Role.CREATE in roles:
         made = next(window for window in on if window.roles[index] == Role.CREATE)
         # Else the window is its host's memory (see memory), or a later copy of all of it from a view makes it.
-        if made.host is None and made.source is None:
+        if made.source is None and (made.host is None or made.creator_read):
             create(op, made, op.arguments(window_arguments(op, windows, env), device, copies=copies))
-        elif made.creator_read:  # its fill, written where the window lies in its host
-            create(op, made, op.arguments(window_arguments(op, windows, env), device, copies=copies))
-            assert made.make is not None
-            fill, made.make = made.make, None
-            made.memory().copy_(fill())
+            if made.host is not None:  # its fill, written where the window lies in its host
+                fill, made.make = made.make, None
+                assert fill is not None
+                made.memory().copy_(fill())
         return True
     return False
