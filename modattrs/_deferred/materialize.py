@@ -370,6 +370,8 @@ def _refs_and_views(mode: RecordingFakeTensorMode, tensors: Chosen, refs: dict[i
     for key, (label, tensor) in tensors.items():
         ref, storage, unwritten_view = mode.ref_storage_or_view(tensor)
         alike = not (tensor.is_conj() or tensor.is_neg())  # a replay gives those a copy of their own
+        # A tensor without elements spans no memory: its real twin need not hold its storage's.
+        alike = alike and tensor.numel() > 0
         if unwritten_view and alike:
             unwritten.append((key, storage))
             continue
