@@ -19,9 +19,11 @@ kernels draw serially, so eager code draws on one core):
   block and the root over dp; ranks 0, N/2 and N-1, the row giving the one furthest above its target. Each rank's
   target is 1.3 times its *floor* plus 0.03x: the least a rank pays with torch's CPU generator, its own elements'
   draws plus, for each contiguous run of them in the eager parameter, the lesser of a jump and drawing the gap
-  before it, from ``normal_`` and ``uniform_`` per element and a jump to a repeated distance measured in this
-  process. ``--layouts`` measures these rows alone. Local shards are checked against ``torch.chunk`` of the eager
-  parameter along each sharded dim, the tensor-parallel cut first under FSDP2's ``_StridedShard``.
+  before it, from torch's ``normal_`` and ``uniform_`` per element and a jump to a repeated distance measured in
+  this process. modattrs draws ``uniform_`` with a kernel of its own (the same bits, several times faster), so a
+  rank can pay less than that floor: beside it the row prints the floor at that kernel's rate. ``--layouts``
+  measures these rows alone. Local shards are checked against ``torch.chunk`` of the eager parameter along each
+  sharded dim, the tensor-parallel cut first under FSDP2's ``_StridedShard``.
 * whole-model ``materialize_module`` with its default thread count, torch's (target 0.65x).
 * ``lm_head`` alone, after ``load_state_dict`` of every other tensor of the eager model with ``assign=True``,
   on one thread, against drawing ``lm_head`` alone with eager code (target 2x).
@@ -64,6 +66,7 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -80,7 +83,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from modattrs._deferred.materialize import roots
 from modattrs._deferred.record import Draws
-from modattrs._deferred.rng import mt19937
+from modattrs._deferred.rng import kernels, mt19937
 from modattrs._deferred.rng.mt19937 import jumped_state
 from modattrs.deferred import deferred_init, is_deferred, materialize_module
 
@@ -91,6 +94,7 @@ EAGER_RUNS = 3
 TARGETS = {"whole": 0.65, "head": 2.0, "memory": 1.2}
 MMAP_THRESHOLD = 64 * 1024
 JUMP_DISTANCES = (10**7, 2**32, 10**11)
+OWN_UNIFORM = "uniform_ (modattrs' kernel)"
 
 
 def shard_target(world_size: int) -> float:
@@ -348,8 +352,10 @@ def shard_deferred(subject: Subject, mesh: DeviceMesh) -> nn.Module:
 def as_in_a_fresh_process() -> None:
     """Forget what earlier replays in this process left that a rank's own process would not have: the jumps' cache
     of powers by distance (identical layers of one rank make identical jumps; other ranks, in their own processes,
-    do not share them). Called before every timed materialization."""
+    do not share them), and which form of ``uniform_`` modattrs' kernel agreed with torch's in (a process checks at
+    its first draw). Called before every timed materialization."""
     mt19937.forget_powers()
+    kernels.forget()
 
 
 def materialize_sharded(model: nn.Module, threads: int | None = None) -> None:
@@ -743,7 +749,8 @@ def layout_rows(
         ranks = ranks_measured(dp * max(tp, 1))
         row = Row(subject.key, f"{label} (ranks {', '.join(map(str, ranks))})", "-", f"{eager_s:.3f} s", None, 1.0)
         row.problems = problems[label]
-        worst: tuple[float, int, float, float] | None = None  # (ratio over target, rank, seconds, floor)
+        # (ratio over target, rank, seconds, floor, floor with modattrs' uniform_ kernel's rate)
+        worst: tuple[float, int, float, float, float] | None = None
         for rank in ranks:
             case = (label, dp, tp, rank)
             if case not in streams or math.isinf(seconds[case]):
@@ -751,10 +758,11 @@ def layout_rows(
             floor = floor_s(streams[case], costs, jump_s) / eager_s
             over = (seconds[case] / eager_s) / layout_target(floor)
             if worst is None or over > worst[0]:
-                worst = over, rank, seconds[case], floor
+                own = floor_s(streams[case], {**costs, "uniform_": costs[OWN_UNIFORM]}, jump_s) / eager_s
+                worst = over, rank, seconds[case], floor, own
         if worst is not None:
-            _, rank, best, floor = worst
-            row.label += f": rank {rank}, floor {floor:.3f}x"
+            _, rank, best, floor, own = worst
+            row.label += f": rank {rank}, floor {floor:.3f}x ({own:.3f}x at modattrs' uniform_ rate)"
             row.measured, row.ratio, row.target = f"{best:.3f} s", best / eager_s, layout_target(floor)
         rows.append(row)
     return rows, eager_s
@@ -801,15 +809,24 @@ def draw_s(draws: Iterable[tuple[str, float]], ns_per_element: dict[str, float])
 
 
 def measured_draw_costs() -> dict[str, float]:
-    """Nanoseconds per float32 element of ``normal_`` and ``uniform_`` on one thread, each run into a new 64 MiB
-    tensor (which the allocator may serve from memory freed before: eager construction's first touch of its pages
-    is in the factor ``projection`` derives), wall clock, best of 7 runs of each, alternating."""
-    numel, kinds = 2**24, ("normal_", "uniform_")
+    """Nanoseconds per float32 element of torch's ``normal_`` and ``uniform_`` on one thread, and of ``uniform_``
+    drawn by modattrs' own kernel (``OWN_UNIFORM``: the same bits, see ``modattrs/_deferred/rng/kernels.py``; torch's
+    rate where it is not built), each run into a new 64 MiB tensor (which the allocator may serve from memory freed
+    before: eager construction's first touch of its pages is in the factor ``projection`` derives), wall clock, best
+    of 7 runs of each, alternating."""
+    numel, kinds = 2**24, ("normal_", "uniform_", OWN_UNIFORM)
+    generator = torch.Generator().manual_seed(SEED)
+
+    def draw(kind: str) -> None:
+        tensor = torch.empty(numel)
+        if kind != OWN_UNIFORM or not kernels.uniform_(tensor, 0.0, 1.0, generator):
+            getattr(tensor, kind.split()[0])(generator=generator)
+
     best = dict.fromkeys(kinds, math.inf)
     with one_thread():
         for _ in range(7):
             for kind in kinds:
-                seconds, _ = wall_s(lambda kind=kind: getattr(torch.empty(numel), kind)())  # type: ignore[misc]
+                seconds, _ = wall_s(lambda kind=kind: draw(kind))  # type: ignore[misc]
                 best[kind] = min(best[kind], seconds)
     return {kind: seconds / numel * 1e9 for kind, seconds in best.items()}
 
@@ -885,7 +902,8 @@ def drawn_elements(subject: Subject, rank: int, world_size: int) -> dict[str, in
     """The elements a rank's replay draws, per kind, from torch's profiler (one thread, so that every draw runs on
     the profiled one). Jumps by drawing use ``random_`` on scratch memory, which is not counted."""
     drawn = dict.fromkeys(("normal_", "uniform_"), 0)
-    with fake_group(rank, world_size) as mesh:
+    with fake_group(rank, world_size) as mesh, mock.patch.object(kernels, "_extension", None):
+        # torch's kernels only: modattrs' uniform_ kernel is not an operator, which the profiler would not see
         model = shard_deferred(subject, mesh)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
             materialize_sharded(model, threads=1)
@@ -941,18 +959,20 @@ def projection(measured: list[Measured], dims: Dims) -> list[str]:
         "",
         f"PROJECTION (not a measurement): 70B Llama ({LLAMA_70B.describe()}) at {world_size} ranks, one thread",
         f"per rank. Measured here: normal_ {costs['normal_']:.2f} ns and uniform_ {costs['uniform_']:.2f} ns per "
-        "float32 element (one thread, a new tensor each run); jumped_state over "
+        f"float32 element with torch's kernels, uniform_ {costs[OWN_UNIFORM]:.2f} ns with modattrs' (one thread, a "
+        "new tensor each run; replays draw uniform_ with modattrs'); jumped_state over "
         + ", ".join(
             f"{k:.3g} outputs {jumps[k][0] * 1e3:.2f} ms ({jumps[k][1] * 1e3:.2f} ms again)" for k in JUMP_DISTANCES
         )
         + f"; the projection takes {jump_s * 1e3:.2f} ms for every jump.",
     ]
+    replayed = {**costs, "uniform_": costs[OWN_UNIFORM]}  # what a replay draws with
     for entry in measured:
         subject, census = entry.subject, entry.census
         # Eager construction costs more than its draws' kernels (Python, allocation): the same factor is applied to
         # every draw, eager or replayed.
         factor = entry.eager_s / draw_s(census.live + census.dead, costs)
-        drawn_s = factor * draw_s(entry.drawn.items(), costs)
+        drawn_s = factor * draw_s(entry.drawn.items(), replayed)
         rest = entry.rank_s - drawn_s - entry.jumps.seconds
         overhead = max(rest, 0.0) / census.ops
         share = sum(entry.drawn.values()) / census.elements()
@@ -960,10 +980,10 @@ def projection(measured: list[Measured], dims: Dims) -> list[str]:
         big = Census.of(deferred_init(subjects(LLAMA_70B)[subject.key].build))
         eager = factor * draw_s(big.live + big.dead, costs)
         kept = [(kind, numel / world_size) for kind, numel in big.live]
-        local = factor * draw_s(kept, costs) + len(big.live) * jump_s + big.ops * overhead
+        local = factor * draw_s(kept, replayed) + len(big.live) * jump_s + big.ops * overhead
         scaled_jumps = entry.jumps.count * big.ops / census.ops
         as_measured = (
-            factor * draw_s(((kind, numel * share) for kind, numel in big.live), costs)
+            factor * draw_s(((kind, numel * share) for kind, numel in big.live), replayed)
             + scaled_jumps * jump_s
             + big.ops * overhead
         )

@@ -4,6 +4,8 @@ None where pip built no extension (no C compiler).
 - ``speedups`` (``modattrs/_speedups.c``): ``VirtualTensor.value``'s read and fake mode's entries.
 - ``generator_jump`` (``modattrs/_generator_jump.c``): the two loops of the CPU generator's jump
   (``modattrs/_deferred/rng/mt19937.py``).
+- ``generator_draws`` (``modattrs/_generator_draws.c``): the CPU generator's ``uniform_``, drawn as torch's kernel
+  draws it (``modattrs/_deferred/rng/kernels.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from modattrs._torch_private import TorchDispatchMode, dispatch_as_written, dyna
 NAMES = {
     "_speedups": ("bind", "read", "dispatch_unless_compiling", "forward_unless_index", "instance_method"),
     "_generator_jump": ("mt19937_power_of_x", "mt19937_twisted", "mt19937_methods"),
+    "_generator_draws": ("mt19937_uniform",),
 }
 
 
@@ -44,6 +47,7 @@ def _load(name: str) -> types.ModuleType | None:
 
 speedups: types.ModuleType | None = _load("_speedups")
 generator_jump: types.ModuleType | None = _load("_generator_jump")
+generator_draws: types.ModuleType | None = _load("_generator_draws")
 
 
 # Note [A dispatch entry dynamo cannot see]

@@ -26,8 +26,8 @@ from torch.overrides import TorchFunctionMode
 import modattrs
 import modattrs.virtual
 from modattrs import VirtualTensor
-from modattrs._compiled import generator_jump
-from modattrs._deferred.rng import mt19937
+from modattrs._compiled import generator_draws, generator_jump
+from modattrs._deferred.rng import kernels, mt19937
 from modattrs.deferred import deferred_init, is_deferred, materialize_module
 from modattrs.fake import fake_copy, fake_mode, is_fake
 
@@ -329,11 +329,20 @@ def test_the_compiled_generator_jump_is_built_and_jumps_use_it() -> None:
     assert mt19937._speedups is generator_jump
 
 
+def test_the_compiled_uniform_kernel_is_built_and_draws_use_it() -> None:
+    assert generator_draws is not None, (
+        "modattrs._generator_draws was not built: pip builds it from modattrs/_generator_draws.c when a C compiler "
+        "and Python's headers are there at install time; reinstall (pip install -e .) with them to test it"
+    )
+    assert kernels._extension is generator_draws
+
+
 @pytest.mark.parametrize(
     ("extension", "defined"),
     [
         ("_speedups", "bind = lambda cls: None; read = lambda attribute: None"),
         ("_generator_jump", "mt19937_twisted = 0"),
+        ("_generator_draws", "mt19937_twisted = 0"),
     ],
 )
 def test_a_build_of_another_version_of_a_c_file_fails_the_import_saying_to_rebuild(

@@ -15,6 +15,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from modattrs.deferred import deferred_init, is_deferred, materialize_module
+from tests.support.kernels import torchs_kernels_draw
 
 #: The kernels that fill the model's weights. Jumping draws raw outputs with other kernels, and modattrs checks its
 #: model of each kind of draw on a few tensors of at most 48 elements, once per process: not counted.
@@ -44,7 +45,7 @@ class Model(nn.Module):
 def weights_drawn(action: Callable[[], object]) -> Counter[tuple[str, tuple[int, ...]]]:
     """The random kernels that ran during ``action`` on tensors of more than SMALL elements, with their shapes: the
     tensors a replay drew for real."""
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
+    with torchs_kernels_draw(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
         action()
     drawn: Counter[tuple[str, tuple[int, ...]]] = Counter()
     for event in profiler.events():

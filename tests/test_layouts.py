@@ -29,9 +29,11 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.profiler import ProfilerActivity
 
 from modattrs._deferred.rng.mt19937 import FAR_JUMP_COST
 from modattrs.deferred import deferred_init, is_deferred, materialize_module
+from tests.support.kernels import torchs_kernels_draw
 from tests.support.ranks import fake_world
 
 
@@ -191,10 +193,10 @@ def elements_written(run: Callable[[], object]) -> Counter[str]:
     the same operator not counted), counted by torch's profiler; copies of the generator's state, which replays
     save and restore, left out."""
     state_size = [torch.get_rng_state().numel()]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
+    with torchs_kernels_draw(), torch.profiler.profile(activities=[ProfilerActivity.CPU], record_shapes=True) as seen:
         run()
     written: Counter[str] = Counter()
-    for event in profile.events():
+    for event in seen.events():
         if event.name.endswith("_") and event.input_shapes and event.input_shapes[0] != state_size:
             parent = event.cpu_parent
             if parent is None or parent.name != event.name:

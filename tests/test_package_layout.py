@@ -85,7 +85,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("saving and loading", {"modattrs._serialization", "modattrs._checkpoint"}),
     ("the attribute core", {"modattrs.virtual", "modattrs.shaped", "modattrs._attribute", "modattrs._cache"}),
     ("helpers", {"modattrs._module_tensors", "modattrs._names", "modattrs._devices", "modattrs._compiled"}),
-    ("the compiled hot paths", {"modattrs._speedups", "modattrs._generator_jump"}),
+    ("the compiled hot paths", {"modattrs._speedups", "modattrs._generator_jump", "modattrs._generator_draws"}),
     ("the compatibility module", {"modattrs._torch_private"}),
 ]
 
@@ -118,7 +118,7 @@ def test_every_module_imports_only_its_own_layer_and_those_below_it() -> None:
 #: step a module of its own: a module imports only modules of the layers below its own, never one above it, nor
 #: another of its own layer (siblings stand apart). Exact randomness is one subpackage (``rng``), which the rest
 #: reaches through its face only; inside it, the timeline stands on the rounds of trunc_normal_, which stand on the
-#: kernels' models, which stand on the jump.
+#: kernels' models, which stand on the jump and on modattrs' own uniform_ kernel, side by side.
 ENGINE_LAYERS: list[tuple[str, set[str]]] = [
     ("the face", {"modattrs.deferred"}),
     (
@@ -131,7 +131,10 @@ ENGINE_LAYERS: list[tuple[str, set[str]]] = [
     ("the generator timeline", {"modattrs._deferred.rng.generator"}),
     ("trunc_normal_ as rounds of normal_", {"modattrs._deferred.rng.rejection"}),
     ("the models of torch's random kernels", {"modattrs._deferred.rng.draws"}),
-    ("the jump", {"modattrs._deferred.rng.mt19937"}),
+    (
+        "the generator's own engine: the jump, and uniform_ drawn faster",
+        {"modattrs._deferred.rng.mt19937", "modattrs._deferred.rng.kernels"},
+    ),
     ("slicing a record", {"modattrs._deferred.slicing"}),
     ("the record", {"modattrs._deferred.record", "modattrs._deferred.construction", "modattrs._deferred"}),
     ("what the engine knows of torch's operators", {"modattrs._deferred.ops"}),

@@ -26,6 +26,7 @@ from torch.distributed.tensor._utils import (
 )
 
 from modattrs.deferred import deferred_init, is_deferred, materialize_module
+from tests.support.kernels import torchs_kernels_draw
 
 try:
     from tests import torchtitan_models as titan
@@ -157,7 +158,10 @@ def drawn_by_kind(run: Callable[[], object]) -> tuple[int, int, int]:
     """The elements that the random fills run by ``run`` write, counted by torch's profiler: ``uniform_``'s,
     ``normal_``'s into windows of a rank's part (1-D: see ``modattrs/_deferred/windows.py``), and ``normal_``'s of
     whole tensors (a fill the replay does not make alone)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
+    with (
+        torchs_kernels_draw(),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile,
+    ):
         run()
     uniform = parts = whole = 0
     for event in profile.events():

@@ -13,6 +13,8 @@ names below; the modules behind them are, top down:
   of it drawn alone once its rounds are counted, without holding the tensor.
 - ``mt19937``: jumping the MT19937 state ahead by any number of outputs (``jumped_state``), with the methods this
   CPU has side by side behind one function.
+- ``kernels``: torch's CPU ``uniform_`` drawn by modattrs' own kernel, the same bits several times faster, checked
+  against torch's where it runs; ``draws``' fills call it, and leave to torch's kernel what it does not take.
 
 The replay and the shard-local planner (``windows``) reach the generator through one ``Walk`` per replay, as
 DTensor's random operations reach theirs through one tracker (``torch/distributed/tensor/_random.py``); the

@@ -10,7 +10,8 @@ caller then runs it as it is, drawing through it). A ``Pattern`` answers, for a 
   ``stop - 1`` of the result depend on;
 - ``draw(state, start, stop)``: those elements, bit for bit what the whole operation would put there, computed by
   jumping (``mt19937.jumped_state``) to the first output they need and running the same kernel on a scratch tensor
-  just big enough, with a private generator (never the default one);
+  just big enough, with a private generator (never the default one); ``uniform_`` on enough elements runs on
+  modattrs' own kernel (``kernels``), which gives the same bits faster;
 - ``state_after(state)``: the generator's state after the whole operation;
 - ``draw_into(out, state, threads)``: the whole result written into ``out``, by up to ``threads`` threads at once
   (below), and the state after it.
@@ -165,6 +166,7 @@ from typing import Final
 import torch
 
 from modattrs._deferred.ops import Signature, bind, facts_of
+from modattrs._deferred.rng import kernels
 from modattrs._deferred.rng.mt19937 import FAR_JUMP_COST, jumped_state
 from modattrs._torch_private import CPU_STATE_NORMAL_CACHE, CPU_STATE_NORMAL_VALID, FakeTensor, contiguous_strides
 
@@ -794,6 +796,8 @@ def _uniform(target: tuple[torch.dtype, _Layout] | None, low: float | None, high
     dtype, layout = target
 
     def fill(tensor: torch.Tensor, generator: torch.Generator) -> object:
+        if kernels.uniform_(tensor, low, high, generator):  # the same bits, faster: see kernels
+            return tensor
         return _aten.uniform_.default(tensor, low, high, generator=generator)
 
     return _Call("uniform", dtype, layout, fill, 2 if dtype == torch.float64 else 1)
