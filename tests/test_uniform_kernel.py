@@ -179,7 +179,7 @@ for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         got = torch.empty(9000, dtype=dtype)
         assert kernels.uniform_(got, low, high, b), (dtype, kernels.forms())
         assert torch.equal(got, expected) and torch.equal(a.get_state(), b.get_state()), (dtype, low, high)
-print(torch.backends.cpu.get_cpu_capability(), kernels.forms()[torch.float32])
+print(torch.backends.cpu.get_cpu_capability())
 """
 
 
@@ -191,5 +191,4 @@ def test_torchs_baseline_cpu_kernels_are_matched_too() -> None:
         [sys.executable, "-c", _CAPABILITY_SCRIPT], env=environment, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr
-    capability, _ = done.stdout.split(" ", 1)
-    assert capability == "DEFAULT"
+    assert done.stdout.strip() in ("DEFAULT", "NO AVX")  # torch 2.13's name, and 2.8's
