@@ -1,9 +1,10 @@
 /* Drawing from torch's CPU generator (MT19937), compiled: the uniform_ kernel of modattrs/_deferred/rng/kernels.py.
  *
- * mt19937_uniform(array, left, next, address, count, dtype, low, high, form, fused) writes `count` elements of
- * `dtype` at `address` as torch's CPU uniform_(low, high) on a contiguous tensor writes them, from a generator whose
- * state has this array (624 uint64 words in native byte order, holding 32-bit values, as get_state() lays them out),
- * left and next; it moves the array forward as torch's engine does, and returns the new (left, next). What torch's
+ * mt19937_uniform(state, layout, address, count, dtype, low, high, form, fused) writes `count` elements of `dtype`
+ * at `address` as torch's CPU uniform_(low, high) on a contiguous tensor writes them, from a generator in the state
+ * at `state` (what get_state() returns: `layout` gives the offsets of left, int32, next, uint64, and the array, 624
+ * uint64 words holding 32-bit values, native byte order), and moves that state forward as torch's engine does.
+ * Addresses are raw: the caller holds the tensors, contiguous, of the right sizes. What torch's
  * kernel does per element (aten/src/ATen/native/cpu/DistributionTemplates.h, ATen/core/DistributionsHelper.h and
  * TransformationHelper.h): take one 32-bit output (two for float64: the first is the high word of a 64-bit draw),
  * keep its low `digits` bits, scale them by 2^-digits, exactly, and return x * (high - low) + low rounded to the
@@ -47,8 +48,8 @@
 #define MT_INLINE static inline
 #endif
 
-enum mt_dtype { MT_FLOAT32, MT_FLOAT64, MT_BFLOAT16, MT_FLOAT16, MT_DTYPES };
-static const char *const mt_dtype_names[MT_DTYPES] = {"float32", "float64", "bfloat16", "float16"};
+enum mt_dtype { MT_FLOAT32, MT_FLOAT64, MT_BFLOAT16, MT_DTYPES };
+static const char *const mt_dtype_names[MT_DTYPES] = {"float32", "float64", "bfloat16"};
 
 typedef struct {
     uint32_t words[MT_N];
@@ -56,15 +57,15 @@ typedef struct {
     int next;
 } mt_engine;
 
-/* --- the element types' roundings, as c10's BFloat16 and Half constructors round: to nearest, ties to even --------- */
+/* --- bfloat16's rounding, as c10's BFloat16 constructor rounds: to nearest, ties to even ------------------------- */
 
-static uint32_t mt_bits_of(float value) {
+MT_INLINE uint32_t mt_bits_of(float value) {
     uint32_t bits;
     memcpy(&bits, &value, 4);
     return bits;
 }
 
-static float mt_float_of(uint32_t bits) {
+MT_INLINE float mt_float_of(uint32_t bits) {
     float value;
     memcpy(&value, &bits, 4);
     return value;
@@ -79,50 +80,7 @@ MT_INLINE uint16_t mt_bfloat16_of(float value) {
     return (uint16_t)((bits + halfway) >> 16);
 }
 
-static float mt_float_of_bfloat16(uint16_t value) { return mt_float_of((uint32_t)value << 16); }
-
-MT_INLINE uint16_t mt_float16_of(float value) {
-    uint32_t bits = mt_bits_of(value);
-    uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
-    uint32_t magnitude = bits & 0x7FFFFFFFu;
-    if (magnitude > 0x7F800000u) {
-        return (uint16_t)(sign | 0x7E00u); /* NaN */
-    }
-    if (magnitude >= 0x477FF000u) {
-        return (uint16_t)(sign | 0x7C00u); /* 65520 and above round to infinity (and infinity stays) */
-    }
-    if (magnitude < 0x38800000u) {
-        /* below 2^-14: a subnormal half, a multiple of 2^-24; the float's 24-bit significand shifted right */
-        int exponent = (int)(magnitude >> 23); /* biased; the value is below 2^(exponent - 127 + 1) */
-        if (exponent < 102) {
-            return sign; /* below 2^-25: rounds to zero */
-        }
-        uint32_t significand = (magnitude & 0x7FFFFFu) | 0x800000u;
-        int shift = 126 - exponent; /* the value is significand * 2^(exponent - 150), in units of 2^-24 */
-        uint32_t kept = significand >> shift;
-        uint32_t rest = significand & ((1u << shift) - 1u);
-        uint32_t half = 1u << (shift - 1);
-        kept += (rest > half || (rest == half && (kept & 1u))) ? 1u : 0u;
-        return (uint16_t)(sign | kept);
-    }
-    /* normal: rebias the exponent (127 to 15) and round the significand from 23 to 10 bits */
-    uint32_t rounded = magnitude + 0xFFFu + ((magnitude >> 13) & 1u);
-    return (uint16_t)(sign | ((rounded - 0x38000000u) >> 13));
-}
-
-static float mt_float_of_float16(uint16_t value) {
-    uint32_t sign = (uint32_t)(value & 0x8000u) << 16;
-    uint32_t exponent = (value >> 10) & 0x1Fu;
-    uint32_t mantissa = value & 0x3FFu;
-    if (exponent == 0x1F) {
-        return mt_float_of(sign | 0x7F800000u | (mantissa << 13));
-    }
-    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, exact in float */
-        float magnitude = (float)mantissa * 0x1p-24f;
-        return sign ? -magnitude : magnitude;
-    }
-    return mt_float_of(sign | ((exponent + 112u) << 23) | (mantissa << 13));
-}
+MT_INLINE float mt_float_of_bfloat16(uint16_t value) { return mt_float_of((uint32_t)value << 16); }
 
 /* --- the engine ------------------------------------------------------------------------------------------------- */
 
@@ -177,28 +135,20 @@ MT_INLINE void mt_outputs(mt_engine *engine, uint32_t *out, size_t count) {
 /* The two forms torch's CPU uniform_ kernel has had (DistributionTemplates.h):
  *   - MT_OPMATH (torch 2.13 and later): low, high and the arithmetic in the accumulation type (float; double for
  *     float64), its bits (24; 53), and a value that rounds to high in the element type is replaced by low;
- *   - MT_SCALAR (earlier): low, high and high - low in the element type, its bits (8 for bfloat16, 11 for float16),
- *     the arithmetic in the accumulation type, no replacement. For float32 and float64 the two differ only by it. */
+ *   - MT_SCALAR (earlier): low, high and high - low in the element type, its bits (8 for bfloat16), the arithmetic in
+ *     the accumulation type, no replacement. For float32 and float64 the two differ only by it. */
 enum mt_form { MT_OPMATH, MT_SCALAR, MT_FORMS };
 static const char *const mt_form_names[MT_FORMS] = {"opmath", "scalar"};
 
 typedef struct {
     double low64, range64, high64; /* float64 */
-    float low32, range32;          /* float32, and the float that bfloat16 and float16 compute in */
+    float low32, range32;          /* float32, and the float that bfloat16 computes in */
     float high_element;            /* high in the element type (as a float), which a value must not round to */
     uint32_t mask;                 /* the bits of an output kept, */
     float scale;                   /* and their weight: 2^-digits */
     int replace;                   /* MT_OPMATH: a value equal to high_element becomes low, in the element type */
-    uint16_t low_element;          /* bfloat16, float16: low in the element type */
+    uint16_t low_element;          /* bfloat16: low in the element type */
 } mt_bounds;
-
-MT_INLINE uint16_t mt_narrow(int dtype, float value) {
-    return dtype == MT_BFLOAT16 ? mt_bfloat16_of(value) : mt_float16_of(value);
-}
-
-MT_INLINE float mt_widen(int dtype, uint16_t value) {
-    return dtype == MT_BFLOAT16 ? mt_float_of_bfloat16(value) : mt_float_of_float16(value);
-}
 
 MT_INLINE void mt_uniform_body(mt_engine *engine, char *address, size_t count, int dtype, const mt_bounds *b,
                                int fused) {
@@ -211,8 +161,9 @@ MT_INLINE void mt_uniform_body(mt_engine *engine, char *address, size_t count, i
             const double low = b->low64, range = b->range64, high = b->high64;
             const int replace = b->replace;
             for (size_t i = 0; i < n; i++) {
-                uint64_t draw = ((uint64_t)raw[2 * i] << 32) | raw[2 * i + 1]; /* the first output is the high word */
-                double x = (double)(int64_t)(draw & ((UINT64_C(1) << 53) - 1)) * 0x1p-53;
+                /* the first output is the high word of the 64-bit draw, of which the low 53 bits count: both halves
+                 * convert exactly, and so does their sum (below 2^53) */
+                double x = ((double)(int32_t)(raw[2 * i] & 0x1FFFFFu) * 0x1p32 + (double)raw[2 * i + 1]) * 0x1p-53;
                 double value = fused ? fma(x, range, low) : x * range + low;
                 out[i] = replace && value == high ? low : value;
             }
@@ -239,8 +190,8 @@ MT_INLINE void mt_uniform_body(mt_engine *engine, char *address, size_t count, i
             const uint16_t low_element = b->low_element;
             for (size_t i = 0; i < n; i++) {
                 float x = (float)(raw[i] & mask) * scale;
-                uint16_t value = mt_narrow(dtype, fused ? fmaf(x, range, low) : x * range + low);
-                out[i] = replace && mt_widen(dtype, value) == high ? low_element : value;
+                uint16_t value = mt_bfloat16_of(fused ? fmaf(x, range, low) : x * range + low);
+                out[i] = replace && mt_float_of_bfloat16(value) == high ? low_element : value;
             }
         }
     }
@@ -288,16 +239,16 @@ static mt_bounds mt_bounds_of(int dtype, int form, double low, double high) {
         if (dtype == MT_FLOAT32) {
             b.high_element = (float)high;
         } else {
-            b.high_element = mt_widen(dtype, mt_narrow(dtype, (float)high));
-            b.low_element = mt_narrow(dtype, (float)low);
+            b.high_element = mt_float_of_bfloat16(mt_bfloat16_of((float)high));
+            b.low_element = mt_bfloat16_of((float)low);
         }
-    } else { /* bfloat16 or float16, MT_SCALAR: the element type's bounds, their difference rounded to it */
-        float from = mt_widen(dtype, mt_narrow(dtype, (float)low));
-        float to = mt_widen(dtype, mt_narrow(dtype, (float)high));
+    } else { /* bfloat16, MT_SCALAR: the element type's bounds, their difference rounded to it, its 8 bits */
+        float from = mt_float_of_bfloat16(mt_bfloat16_of((float)low));
+        float to = mt_float_of_bfloat16(mt_bfloat16_of((float)high));
         b.low32 = from;
-        b.range32 = mt_widen(dtype, mt_narrow(dtype, to - from));
-        b.mask = dtype == MT_BFLOAT16 ? 0xFFu : 0x7FFu;
-        b.scale = dtype == MT_BFLOAT16 ? 0x1p-8f : 0x1p-11f;
+        b.range32 = mt_float_of_bfloat16(mt_bfloat16_of(to - from));
+        b.mask = 0xFFu;
+        b.scale = 0x1p-8f;
     }
     return b;
 }
@@ -317,50 +268,49 @@ static int mt_named(PyObject *name, const char *const *names, int count, const c
 }
 
 static PyObject *mt19937_uniform(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 10) {
+    if (nargs != 9) {
         PyErr_Format(PyExc_TypeError,
-                     "mt19937_uniform expected 10 arguments (array, left, next, address, count, dtype, low, high, "
-                     "form, fused), got %zd",
+                     "mt19937_uniform expected 9 arguments (state, layout, address, count, dtype, low, high, form, "
+                     "fused), got %zd",
                      nargs);
         return NULL;
     }
-    long left = PyLong_AsLong(args[1]);
-    long next = PyLong_AsLong(args[2]);
-    void *address = PyLong_AsVoidPtr(args[3]);
-    Py_ssize_t count = PyLong_AsSsize_t(args[4]);
-    double low = PyFloat_AsDouble(args[6]);
-    double high = PyFloat_AsDouble(args[7]);
-    int fused = PyObject_IsTrue(args[9]);
+    unsigned char *state = PyLong_AsVoidPtr(args[0]);
+    Py_ssize_t left_at = -1, next_at = -1, array_at = -1;
+    if (!PyArg_ParseTuple(args[1], "nnn", &left_at, &next_at, &array_at)) {
+        return NULL;
+    }
+    void *address = PyLong_AsVoidPtr(args[2]);
+    Py_ssize_t count = PyLong_AsSsize_t(args[3]);
+    double low = PyFloat_AsDouble(args[5]);
+    double high = PyFloat_AsDouble(args[6]);
+    int fused = PyObject_IsTrue(args[8]);
     if (PyErr_Occurred() || fused < 0) {
         return NULL;
     }
-    int dtype = mt_named(args[5], mt_dtype_names, MT_DTYPES, "dtype");
-    int form = dtype < 0 ? -1 : mt_named(args[8], mt_form_names, MT_FORMS, "form");
+    int dtype = mt_named(args[4], mt_dtype_names, MT_DTYPES, "dtype");
+    int form = dtype < 0 ? -1 : mt_named(args[7], mt_form_names, MT_FORMS, "form");
     if (form < 0) {
         return NULL;
     }
-    if (left < 1 || left > MT_N || next < 0 || next > MT_N || next + left - 1 > MT_N) {
+    if (state == NULL || left_at < 0 || next_at < 0 || array_at < 0 || count < 0 || (count > 0 && address == NULL)) {
+        PyErr_Format(PyExc_ValueError, "mt19937_uniform: a state at %p (left at %zd, next at %zd, array at %zd), "
+                     "%zd elements at %p", (void *)state, left_at, next_at, array_at, count, address);
+        return NULL;
+    }
+    int32_t left;
+    uint64_t next;
+    memcpy(&left, state + left_at, sizeof left); /* the state need not be aligned */
+    memcpy(&next, state + next_at, sizeof next);
+    if (left < 1 || left > MT_N || next > MT_N || next + (uint64_t)left - 1 > MT_N) {
         PyErr_Format(PyExc_ValueError,
                      "mt19937_uniform: a position torch's engine never has\n  expected: 1 <= left <= %d, "
-                     "0 <= next, next + left - 1 <= %d\n  got: left=%ld, next=%ld",
-                     MT_N, MT_N, left, next);
-        return NULL;
-    }
-    if (count < 0 || (count > 0 && address == NULL)) {
-        PyErr_Format(PyExc_ValueError, "mt19937_uniform: %zd elements at address %p", count, address);
-        return NULL;
-    }
-    Py_buffer array;
-    if (PyObject_GetBuffer(args[0], &array, PyBUF_WRITABLE) < 0) {
-        return NULL;
-    }
-    if (array.len != MT_N * 8) {
-        PyErr_Format(PyExc_ValueError, "mt19937_uniform: expected an array of %d bytes, got %zd", MT_N * 8, array.len);
-        PyBuffer_Release(&array);
+                     "next + left - 1 <= %d\n  got: left=%d, next=%llu",
+                     MT_N, MT_N, (int)left, (unsigned long long)next);
         return NULL;
     }
     mt_bounds bounds = mt_bounds_of(dtype, form, low, high);
-    unsigned char *words = array.buf; /* uint64 words in native byte order, 32-bit values; maybe not aligned */
+    unsigned char *words = state + array_at; /* uint64 words in native byte order, 32-bit values */
     mt_engine engine;
     engine.left = (int)left;
     engine.next = (int)next;
@@ -382,17 +332,20 @@ static PyObject *mt19937_uniform(PyObject *Py_UNUSED(module), PyObject *const *a
         uint64_t word = engine.words[n];
         memcpy(words + 8 * n, &word, 8);
     }
+    left = engine.left;
+    next = (uint64_t)engine.next;
+    memcpy(state + left_at, &left, sizeof left);
+    memcpy(state + next_at, &next, sizeof next);
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&array);
-    return Py_BuildValue("(ii)", engine.left, engine.next);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"mt19937_uniform", (PyCFunction)(void (*)(void))mt19937_uniform, METH_FASTCALL,
-     "mt19937_uniform(array, left, next, address, count, dtype, low, high, form, fused, /)\n--\n\nWrite count "
+     "mt19937_uniform(state, layout, address, count, dtype, low, high, form, fused, /)\n--\n\nWrite count "
      "elements of dtype at address as torch's CPU uniform_(low, high) kernel of that form ('opmath' or 'scalar') "
-     "draws them from an MT19937 state of this array (624 uint64 words, moved forward in place), left and next; "
-     "return the new (left, next)."},
+     "draws them from the CPU generator state at address state (layout: the offsets of left, next and the array), "
+     "and move that state forward in place."},
     {NULL, NULL, 0, NULL},
 };
 

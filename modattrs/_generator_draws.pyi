@@ -1,9 +1,6 @@
-from typing_extensions import Buffer
-
 def mt19937_uniform(
-    array: Buffer,
-    left: int,
-    next: int,
+    state: int,
+    layout: tuple[int, int, int],
     address: int,
     count: int,
     dtype: str,
@@ -12,4 +9,4 @@ def mt19937_uniform(
     form: str,
     fused: bool,
     /,
-) -> tuple[int, int]: ...
+) -> None: ...
