@@ -148,8 +148,8 @@ def materialize_module(
             outputs; 600,000 on a CPU without carry-less multiplication, 15 million without modattrs' C extension)
             is split over, each drawing its own range from a
             jumped copy of the generator's state: the same values as one thread, faster on a machine with free
-            cores. By default, torch's intra-op thread count (``torch.get_num_threads()``); 1 draws as eager code
-            does.
+            cores. By default, torch's intra-op thread count (``torch.get_num_threads()``); 1 draws on the calling
+            thread alone.
 
     Returns:
         ``module``.

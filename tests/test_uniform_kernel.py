@@ -156,16 +156,29 @@ def test_a_draw_counts_as_a_write_of_the_tensor() -> None:
     assert tensor._version == version + 1
 
 
-def test_a_replay_draws_a_linear_layer_on_the_kernel_as_eager_code_does() -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_replay_draws_a_linear_layer_on_the_kernel_as_eager_code_does(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    drawn: list[int] = []
+    original = kernels.uniform_
+
+    def counted(tensor: torch.Tensor, low: float, high: float, generator: torch.Generator) -> bool:
+        took = original(tensor, low, high, generator)
+        drawn.extend([tensor.numel()] if took else [])
+        return took
+
+    monkeypatch.setattr(kernels, "uniform_", counted)
     torch.manual_seed(11)
     eager = nn.Linear(300, 200)
+    after_eager = torch.get_rng_state()
     torch.manual_seed(11)
     deferred = deferred_init(nn.Linear, 300, 200)
-    materialize_module(deferred)
-    assert kernels.forms()[torch.float32] is not None  # the kernel drew the weight (60,000 elements)
+    materialize_module(deferred, threads=threads)
+    assert sum(drawn) == 60_000  # the weight (one range: too few outputs to split); the bias is too small to gain
     assert torch.equal(bits(deferred.weight.detach()), bits(eager.weight.detach()))
     assert torch.equal(bits(deferred.bias.detach()), bits(eager.bias.detach()))
-    assert torch.equal(torch.get_rng_state(), torch.default_generator.get_state())
+    assert torch.equal(torch.get_rng_state(), after_eager)
 
 
 _CAPABILITY_SCRIPT = """

@@ -790,6 +790,12 @@ def _like_layout(bound: dict[str, object]) -> tuple[torch.dtype, _Layout] | None
 # --- the kernels -----------------------------------------------------------------------------------------------------
 
 
+def own_kernel_draws(op: object, args: Sequence[object]) -> bool:
+    """Whether ``op(*args)`` is a fill that modattrs' own kernel would draw (``kernels``: ``uniform_`` on a tensor
+    it takes), faster than torch's kernel, once its pattern is found."""
+    return op is _aten.uniform_.default and bool(args) and isinstance(args[0], torch.Tensor) and kernels.takes(args[0])
+
+
 def _uniform(target: tuple[torch.dtype, _Layout] | None, low: float | None, high: float | None) -> _Call | None:
     if target is None or low is None or high is None or target[0] not in _FLOATS:
         return None

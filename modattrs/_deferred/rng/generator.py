@@ -380,13 +380,17 @@ class Walk:
         to the same values and state after, and return what it filled; None, and nothing done, where there is none:
         a ``trunc_normal_`` of known rounds drawn into its tensor by its model (Note [trunc_normal_ as rounds of
         normal_]), without the helper's temporaries, round 0 on ``threads`` threads; a fill ``draws`` models, on
-        ``threads`` threads (``filled_on_threads``)."""
+        ``threads`` threads (``filled_on_threads``), or on this one where modattrs' own kernel draws it
+        (``draws.own_kernel_draws``)."""
         found = self._patterns.get(index)
         tensor = args[0] if args else None
         if isinstance(found, rejection.Rejection) and isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
             _set_state(found.draw_into(tensor, _get_state(), threads))
             return tensor
-        return filled_on_threads(self.record.ops[index].func, args, kwargs, threads) if threads > 1 else None
+        func = self.record.ops[index].func
+        if threads > 1 or draws.own_kernel_draws(func, args):
+            return filled_on_threads(func, args, kwargs, threads)
+        return None
 
     def _modelled(self, index: int) -> Modelled:
         found = self.pattern_of(index)

@@ -36,7 +36,7 @@ from torch.autograd.graph import increment_version
 from modattrs._compiled import generator_draws as _extension
 from modattrs._torch_private import CPU_STATE_ARRAY, CPU_STATE_LEFT, CPU_STATE_NEXT
 
-__all__ = ["FEWEST", "forms", "uniform_"]
+__all__ = ["FEWEST", "forms", "takes", "uniform_"]
 
 #: Below this many elements torch's kernel draws: copying the state out and back costs about what torch's kernel
 #: takes for a few thousand elements.
@@ -63,22 +63,26 @@ def uniform_(tensor: torch.Tensor, low: float, high: float, generator: torch.Gen
     """Fill ``tensor`` as ``tensor.uniform_(low, high, generator=generator)`` would, and move ``generator`` as it
     would, if this kernel draws it (see the module's Note); False, and nothing done, for torch's kernel to draw it.
     ``low`` and ``high`` are bounds torch accepted for ``tensor``'s dtype."""
-    dtype = tensor.dtype
-    if (
-        _extension is None
-        or tensor.numel() < FEWEST
-        or dtype not in _NAMES
-        or tensor.device.type != "cpu"
-        or generator.device.type != "cpu"
-        or not tensor.is_contiguous()
-    ):
+    if not takes(tensor) or generator.device.type != "cpu":
         return False
-    form = _checked(dtype, float(low), float(high))
+    form = _checked(tensor.dtype, float(low), float(high))
     if form is None:
         return False
     generator.set_state(_drawn(generator.get_state(), tensor, float(low), float(high), form))  # a copy: ours
     increment_version(tensor)  # written in place, as torch's kernel counts it
     return True
+
+
+def takes(tensor: torch.Tensor) -> bool:
+    """Whether ``uniform_`` may draw ``tensor`` here: the extension is built, and it is a contiguous CPU tensor of a
+    dtype it draws, large enough to gain (whether a form agreed is known at the first draw)."""
+    return (
+        _extension is not None
+        and tensor.numel() >= FEWEST
+        and tensor.dtype in _NAMES
+        and tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+    )
 
 
 def forms() -> dict[torch.dtype, _Form | None]:
