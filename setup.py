@@ -12,7 +12,8 @@ setup(
         Extension("modattrs._speedups", ["modattrs/_speedups.c"], optional=True),
         Extension("modattrs._generator_jump", ["modattrs/_generator_jump.c"], optional=True),
         # Each multiply and add rounded as written (the kernel computes fused multiply-adds where it says so): the
-        # draws must be torch's bits. A compiler without this flag (MSVC) fails the build, which is optional.
+        # draws must be torch's bits. A compiler that does not know the flag (MSVC, which does not contract unless
+        # told to) warns and goes on; either way each form is checked against torch's kernel before it draws.
         Extension(
             "modattrs._generator_draws",
             ["modattrs/_generator_draws.c"],

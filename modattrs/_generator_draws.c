@@ -162,7 +162,8 @@ MT_INLINE void mt_uniform_body(mt_engine *engine, char *address, size_t count, i
             const int replace = b->replace;
             for (size_t i = 0; i < n; i++) {
                 /* the first output is the high word of the 64-bit draw, of which the low 53 bits count: both halves
-                 * convert exactly, and so does their sum (below 2^53) */
+                 * convert exactly, and so does their sum (below 2^53); the high half as a signed int, which it fits,
+                 * because x86 has a vector conversion of signed ints only */
                 double x = ((double)(int32_t)(raw[2 * i] & 0x1FFFFFu) * 0x1p32 + (double)raw[2 * i + 1]) * 0x1p-53;
                 double value = fused ? fma(x, range, low) : x * range + low;
                 out[i] = replace && value == high ? low : value;
@@ -275,22 +276,46 @@ static PyObject *mt19937_uniform(PyObject *Py_UNUSED(module), PyObject *const *a
                      nargs);
         return NULL;
     }
+    /* Each argument read and checked before the next: a conversion may run Python code (__index__, __float__). */
     unsigned char *state = PyLong_AsVoidPtr(args[0]);
+    if (state == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
     Py_ssize_t left_at = -1, next_at = -1, array_at = -1;
+    if (!PyTuple_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "mt19937_uniform: layout must be a tuple (left_at, next_at, array_at), got %R",
+                     args[1]);
+        return NULL;
+    }
     if (!PyArg_ParseTuple(args[1], "nnn", &left_at, &next_at, &array_at)) {
         return NULL;
     }
     void *address = PyLong_AsVoidPtr(args[2]);
+    if (address == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
     Py_ssize_t count = PyLong_AsSsize_t(args[3]);
-    double low = PyFloat_AsDouble(args[5]);
-    double high = PyFloat_AsDouble(args[6]);
-    int fused = PyObject_IsTrue(args[8]);
-    if (PyErr_Occurred() || fused < 0) {
+    if (count == -1 && PyErr_Occurred()) {
         return NULL;
     }
     int dtype = mt_named(args[4], mt_dtype_names, MT_DTYPES, "dtype");
-    int form = dtype < 0 ? -1 : mt_named(args[7], mt_form_names, MT_FORMS, "form");
+    if (dtype < 0) {
+        return NULL;
+    }
+    double low = PyFloat_AsDouble(args[5]);
+    if (low == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    double high = PyFloat_AsDouble(args[6]);
+    if (high == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    int form = mt_named(args[7], mt_form_names, MT_FORMS, "form");
     if (form < 0) {
+        return NULL;
+    }
+    int fused = PyObject_IsTrue(args[8]);
+    if (fused < 0) {
         return NULL;
     }
     if (state == NULL || left_at < 0 || next_at < 0 || array_at < 0 || count < 0 || (count > 0 && address == NULL)) {

@@ -342,7 +342,7 @@ def test_the_compiled_uniform_kernel_is_built_and_draws_use_it() -> None:
     [
         ("_speedups", "bind = lambda cls: None; read = lambda attribute: None"),
         ("_generator_jump", "mt19937_twisted = 0"),
-        ("_generator_draws", "mt19937_twisted = 0"),
+        ("_generator_draws", "mt19937_gaussian = 0"),
     ],
 )
 def test_a_build_of_another_version_of_a_c_file_fails_the_import_saying_to_rebuild(

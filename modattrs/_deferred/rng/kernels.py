@@ -3,9 +3,10 @@
 Note [A kernel of our own, checked against torch's where it runs]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 torch's CPU ``uniform_`` takes one output of the generator per element (two for float64) through TensorIterator's
-serial loop: 4 to 6 ns an element here, which is most of what a replay of ``nn.Linear``'s ``kaiming_uniform_``
+serial loop: 4 to 8 ns an element here, which is most of what a replay of ``nn.Linear``'s ``kaiming_uniform_``
 costs. The C extension ``modattrs._generator_draws`` runs the same MT19937 engine on a copy of the state and turns
-the outputs into elements as torch's kernel does, in vectorized loops (0.6 ns an element for float32 with AVX2).
+the outputs into elements as torch's kernel does, in vectorized loops (0.8 to 1 ns an element for float32 with
+AVX2 from 65,536 elements on; ``benchmarks/uniform_kernel.py``).
 
 What torch's kernel computes has changed across releases, and part of it depends on how torch was compiled:
 
@@ -29,12 +30,13 @@ chosen.
 from __future__ import annotations
 
 import threading
+from typing import Literal
 
 import torch
 from torch.autograd.graph import increment_version
 
 from modattrs._compiled import generator_draws as _extension
-from modattrs._torch_private import CPU_STATE_ARRAY, CPU_STATE_LEFT, CPU_STATE_NEXT
+from modattrs._torch_private import CPU_STATE_ARRAY, CPU_STATE_BYTES, CPU_STATE_LEFT, CPU_STATE_NEXT
 
 __all__ = ["FEWEST", "forms", "takes", "uniform_"]
 
@@ -44,11 +46,11 @@ FEWEST = 4096
 
 # float16 is left to torch: its rounding does not vectorize as these do, and gained nothing
 _NAMES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
-_FORMS = (("opmath", True), ("opmath", False), ("scalar", True), ("scalar", False))
-_Form = tuple[str, bool]
+_Form = tuple[Literal["opmath", "scalar"], bool]  # torch's kernel's form, and whether it fuses x * range + low
+_FORMS: tuple[_Form, ...] = (("opmath", True), ("opmath", False), ("scalar", True), ("scalar", False))
 
 _UGLY = (-0.3711, 0.8123)  # bounds whose products round differently fused and not
-_PROBE_ELEMENTS = 5_000  # eight twists of the engine
+_PROBE_ELEMENTS = 5_000  # eight twists of the engine (sixteen for float64)
 _BOUNDS_PROBE_ELEMENTS = 1_500
 _PROBE_SEED = 20_261_201
 
@@ -56,32 +58,41 @@ _LAYOUT = (CPU_STATE_LEFT[1], CPU_STATE_NEXT[1], CPU_STATE_ARRAY.start)  # where
 
 _lock = threading.Lock()
 _form_of: dict[torch.dtype, _Form | None] = {}  # the form that agreed with torch, by dtype: None if none did
-_bounds_agree: dict[tuple[torch.dtype, float, float], bool] = {}
+_bounds_agree: dict[tuple[torch.dtype, str, str], bool] = {}  # by the bounds' hex: -0.0 is not 0.0
 
 
 def uniform_(tensor: torch.Tensor, low: float, high: float, generator: torch.Generator) -> bool:
     """Fill ``tensor`` as ``tensor.uniform_(low, high, generator=generator)`` would, and move ``generator`` as it
     would, if this kernel draws it (see the module's Note); False, and nothing done, for torch's kernel to draw it.
-    ``low`` and ``high`` are bounds torch accepted for ``tensor``'s dtype."""
-    if not takes(tensor) or generator.device.type != "cpu":
+    ``low`` and ``high`` are bounds torch accepted for ``tensor``'s dtype. ``generator`` is a private one: the state
+    is read, drawn from and put back without torch's lock on it, so the default generator, which other threads may
+    draw from meanwhile, is left to torch's kernel."""
+    if not takes(tensor) or generator.device.type != "cpu" or generator is torch.default_generator:
         return False
     form = _checked(tensor.dtype, float(low), float(high))
-    if form is None:
-        return False
-    generator.set_state(_drawn(generator.get_state(), tensor, float(low), float(high), form))  # a copy: ours
+    state = generator.get_state()  # a copy: ours to write
+    if form is None or state.dtype != torch.uint8 or state.numel() != CPU_STATE_BYTES:
+        return False  # (a state of another size: a torch whose generator the extension does not know)
+    generator.set_state(_drawn(state, tensor, float(low), float(high), form))
     increment_version(tensor)  # written in place, as torch's kernel counts it
     return True
 
 
 def takes(tensor: torch.Tensor) -> bool:
     """Whether ``uniform_`` may draw ``tensor`` here: the extension is built, and it is a contiguous CPU tensor of a
-    dtype it draws, large enough to gain (whether a form agreed is known at the first draw)."""
+    dtype it draws, large enough to gain, that torch's kernel would write as it is (whether a form agreed is known at
+    the first draw). A negative view (whose elements torch negates as it writes them), an inference tensor outside
+    inference mode and a tensor that requires grad while grad mode is on (which torch refuses to write in place) are
+    torch's."""
     return (
         _extension is not None
         and tensor.numel() >= FEWEST
         and tensor.dtype in _NAMES
         and tensor.device.type == "cpu"
         and tensor.is_contiguous()
+        and not tensor.is_neg()
+        and not (tensor.requires_grad and torch.is_grad_enabled())
+        and not (tensor.is_inference() and not torch.is_inference_mode_enabled())
     )
 
 
@@ -111,7 +122,7 @@ def _drawn(state: torch.Tensor, out: torch.Tensor, low: float, high: float, form
 
 def _checked(dtype: torch.dtype, low: float, high: float) -> _Form | None:
     """The form to draw ``dtype`` in between these bounds, checked against torch's kernel; None: torch's kernel."""
-    key = (dtype, low, high)
+    key = (dtype, low.hex(), high.hex())
     agrees = _bounds_agree.get(key)
     if agrees is not None:  # no lock: entries are written once, under it
         return _form_of[dtype] if agrees else None
