@@ -71,8 +71,8 @@ def uniform_(tensor: torch.Tensor, low: float, high: float, generator: torch.Gen
         return False
     form = _checked(tensor.dtype, float(low), float(high))
     state = generator.get_state()  # a copy: ours to write
-    if form is None or state.dtype != torch.uint8 or state.numel() != CPU_STATE_BYTES:
-        return False  # (a state of another size: a torch whose generator the extension does not know)
+    if form is None or not _known(state):
+        return False
     generator.set_state(_drawn(state, tensor, float(low), float(high), form))
     increment_version(tensor)  # written in place, as torch's kernel counts it
     return True
@@ -107,6 +107,12 @@ def forget() -> None:
     with _lock:
         _form_of.clear()
         _bounds_agree.clear()
+
+
+def _known(state: torch.Tensor) -> bool:
+    """Whether ``state`` is laid out as the extension reads and writes it (a torch whose CPU generator keeps another
+    state would be drawn by torch's kernel, not written past its end)."""
+    return state.dtype == torch.uint8 and state.dim() == 1 and state.numel() == CPU_STATE_BYTES
 
 
 def _drawn(state: torch.Tensor, out: torch.Tensor, low: float, high: float, form: _Form) -> torch.Tensor:
@@ -159,6 +165,8 @@ def _agrees(dtype: torch.dtype, form: _Form, low: float, high: float, elements: 
     generator = torch.Generator(device="cpu").manual_seed(_PROBE_SEED)
     torch.empty(7, dtype=torch.float32, device="cpu").uniform_(generator=generator)
     state = generator.get_state()
+    if not _known(state):
+        return False
     expected = torch.empty(elements, dtype=dtype, device="cpu").uniform_(low, high, generator=generator)
     got = torch.empty(elements, dtype=dtype, device="cpu")
     after = _drawn(state.clone(), got, low, high, form)
