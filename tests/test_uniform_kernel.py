@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,7 +195,6 @@ def test_a_replay_draws_a_linear_layer_on_the_kernel_as_eager_code_does(
 
 _CAPABILITY_SCRIPT = """
 import torch
-from modattrs._compiled import generator_draws
 from modattrs._deferred.rng import kernels
 for dtype in (torch.float32, torch.float64, torch.bfloat16):
     for low, high in ((-0.3711, 0.8123), (-1e-3, 7e-2)):
@@ -207,12 +207,18 @@ print(torch.backends.cpu.get_cpu_capability())
 """
 
 
-def test_torchs_baseline_cpu_kernels_are_matched_too() -> None:
+def test_torchs_baseline_cpu_kernels_are_matched_too(tmp_path: Path) -> None:
     # ATEN_CPU_CAPABILITY=default makes torch run its kernels built without AVX2 and FMA, which round the product
-    # and the sum apart: the check finds that form instead.
+    # and the sum apart: the check finds that form instead. Run away from a checkout, whose modattrs (without its
+    # built extensions, unless installed in place) would shadow the installed one under test.
     environment = dict(os.environ, ATEN_CPU_CAPABILITY="default")
     done = subprocess.run(
-        [sys.executable, "-c", _CAPABILITY_SCRIPT], env=environment, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _CAPABILITY_SCRIPT],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() in ("DEFAULT", "NO AVX")  # torch 2.13's name, and 2.8's
