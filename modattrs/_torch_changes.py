@@ -50,6 +50,7 @@ from modattrs._torch_private import (
     FSDP_PARAM_CLASS,
     FSDP_PARAM_MODULE,
     FSDP_POST_FORWARD_SIZES,
+    FSDP_SHARDED_PARAM,
     TRUNC_NORMAL_HELPER,
     TRUNC_NORMAL_WARNINGS,
     DisableTorchDispatch,
@@ -226,13 +227,16 @@ def _install_fsdp_chunks() -> None:
         #     torch.chunk makes (narrow of the same range); every other tensor gets torch's list.
         #     Its post-forward metadata cuts the parameter once more for the size of the rank's chunk alone: while
         #     it runs, a fake tensor of modattrs' modes is cut as a meta tensor of its sizes, strides and dtype
-        #     (a chunk's size depends on nothing else), which costs no fake tensor and no record.
+        #     (a chunk's size depends on nothing else), which costs no fake tensor and no record. So is chunk 0 where
+        #     the shard is made on a rank other than 0, read after the rank's own chunk for the padded size alone.
         module = sys.modules[FSDP_PARAM_MODULE]
         if callable(getattr(module, FSDP_CHUNKS, None)):
             _replace(module, FSDP_CHUNKS, _chunks_read_on_demand)
             owner = getattr(module, FSDP_PARAM_CLASS, None)
             if callable(getattr(owner, FSDP_POST_FORWARD_SIZES, None)):
                 _replace(owner, FSDP_POST_FORWARD_SIZES, _chunk_sizes_read_from_meta)
+            if callable(getattr(owner, FSDP_SHARDED_PARAM, None)):
+                _replace(owner, FSDP_SHARDED_PARAM, _padded_size_read_from_meta)
         _fsdp_installed = True
 
 
@@ -515,13 +519,18 @@ def _names_cuda(positional: tuple[Any, ...], device: object) -> bool:
 
 class _ChunksOnDemand(Sequence[torch.Tensor]):
     """``torch.chunk(tensor, count, dim)``'s chunks, padded with empty tensors to ``count`` as FSDP2 pads them, each
-    made when first read, as the same view (``narrow`` of the same range)."""
+    made when first read, as the same view (``narrow`` of the same range).
 
-    def __init__(self, tensor: torch.Tensor, count: int, dim: int) -> None:
+    ``first_for_size``: chunk 0, read after another chunk, is read for its size alone (FSDP2's padded size, on every
+    rank but 0), and is cut from a meta tensor of the same geometry: the same size, no fake tensor, nothing to
+    record. Read first (on rank 0, it is the rank's own), it is the fake view."""
+
+    def __init__(self, tensor: torch.Tensor, count: int, dim: int, *, first_for_size: bool = False) -> None:
         size = tensor.size(dim)
         self._tensor, self._count, self._dim, self._size = tensor, count, dim, size
         self._step = -(-size // count)  # torch.chunk's: the ceiling
         self._nonempty = -(-size // self._step)  # fewer than count where count does not divide size finely
+        self._first_for_size = first_for_size
         self._made: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -545,14 +554,26 @@ class _ChunksOnDemand(Sequence[torch.Tensor]):
         if chunk is None:
             if position < self._nonempty:
                 start = position * self._step
-                chunk = self._tensor.narrow(self._dim, start, min(self._step, self._size - start))
+                source = self._tensor
+                if position == 0 and self._first_for_size and self._made:
+                    source = _meta_of_same_geometry(source)
+                chunk = source.narrow(self._dim, start, min(self._step, self._size - start))
             else:
                 chunk = self[0].new_empty(0)
             self._made[position] = chunk
         return chunk
 
 
-_sizes_only = threading.local()  # .depth: FSDP2 is cutting for chunk sizes alone (change 15)
+class _Cut(threading.local):
+    """What FSDP2 is cutting chunks for, in this thread (change 15): ``sizes``, the size of the rank's chunk alone
+    (its post-forward metadata: every chunk is cut from a meta tensor); ``shard``, the rank's shard and the padded
+    size (chunk 0 read after the rank's own is cut from a meta tensor)."""
+
+    sizes = 0
+    shard = 0
+
+
+_cut = _Cut()
 
 
 def _chunks_read_on_demand(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -567,9 +588,9 @@ def _chunks_read_on_demand(original: Callable[..., Any]) -> Callable[..., Any]:
             and tensor.dim() > 0
             and tensor.size(dim) > 0
         ):
-            if getattr(_sizes_only, "depth", 0):
+            if _cut.sizes:
                 tensor = _meta_of_same_geometry(tensor)
-            return _ChunksOnDemand(tensor, num_chunks, dim)
+            return _ChunksOnDemand(tensor, num_chunks, dim, first_for_size=_cut.shard > 0)
         return original(tensor, num_chunks, dim)
 
     return _chunk_with_empty
@@ -578,13 +599,25 @@ def _chunks_read_on_demand(original: Callable[..., Any]) -> Callable[..., Any]:
 def _chunk_sizes_read_from_meta(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _init_sharded_post_forward_param_metadata(*args: Any, **kwargs: Any) -> Any:  # as given: FSDP2's method
-        _sizes_only.depth = getattr(_sizes_only, "depth", 0) + 1
+        _cut.sizes += 1
         try:
             return original(*args, **kwargs)
         finally:
-            _sizes_only.depth -= 1
+            _cut.sizes -= 1
 
     return _init_sharded_post_forward_param_metadata
+
+
+def _padded_size_read_from_meta(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _init_sharded_param(*args: Any, **kwargs: Any) -> Any:  # as given: FSDP2's method
+        _cut.shard += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _cut.shard -= 1
+
+    return _init_sharded_param
 
 
 def _meta_of_same_geometry(tensor: torch.Tensor) -> torch.Tensor:

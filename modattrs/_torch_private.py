@@ -715,6 +715,11 @@ FSDP_CHUNKS = "_chunk_with_empty"
 FSDP_PARAM_CLASS = "FSDPParam"
 FSDP_POST_FORWARD_SIZES = "_init_sharded_post_forward_param_metadata"
 
+#: ``FSDPParam._init_sharded_param(self, param, ...)`` cuts the parameter with ``_chunk_with_empty``, reads the
+#: rank's chunk, then chunk 0 for its size alone (``padded_sharded_size = chunks[0].size()``), and no other chunk.
+#: Checked on 2.8, 2.13 and 2.14.
+FSDP_SHARDED_PARAM = "_init_sharded_param"
+
 
 def dtensor_local(tensor: torch.Tensor) -> torch.Tensor:
     """The local tensor a DTensor holds: ``DTensor.to_local()`` returns another tensor object each time, and

@@ -3,10 +3,14 @@ torch's own cut gives, each made when read."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_param
 
@@ -102,3 +106,47 @@ def test_fsdp2s_sizes_of_a_deferred_parameters_shards_are_those_of_the_meta_para
         deferred, meta = states
     assert deferred == meta
     assert all(isinstance(size, torch.Size) for state in deferred for size in state[:3])
+
+
+@pytest.fixture
+def cuts() -> Iterator[list[Sequence[torch.Tensor]]]:
+    """What FSDP2's ``_chunk_with_empty`` returns while the test runs, in order."""
+    made: list[Sequence[torch.Tensor]] = []
+    with fake_mode():
+        pass  # the changes are made
+    wrapped = _fsdp_param._chunk_with_empty
+
+    def spy(tensor: torch.Tensor, count: int, dim: int) -> Sequence[torch.Tensor]:
+        chunks = wrapped(tensor, count, dim)
+        made.append(chunks)
+        return chunks
+
+    _fsdp_param._chunk_with_empty = spy
+    try:
+        yield made
+    finally:
+        _fsdp_param._chunk_with_empty = wrapped
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_chunk_0_read_for_the_padded_size_on_another_rank_is_a_meta_tensor_of_its_size(
+    cuts: list[Sequence[torch.Tensor]], rank: int
+) -> None:
+    with fake_world((4,), rank) as mesh:
+        module = deferred_init(nn.Linear, 3, 10)  # 10 rows over 4 ranks: chunks of 3, 3, 3 and 1
+        fully_shard(module, mesh=mesh)
+    shards = cuts[::2]  # each parameter's shard, then its post-forward sizes
+    assert len(shards) == 2
+    for chunks, padded in zip(shards, [(3, 3), (3,)], strict=True):
+        own, first = chunks[rank], chunks[0]
+        assert type(own) is FakeTensor
+        assert type(first) is torch.Tensor
+        assert first.is_meta
+        assert first.shape == padded
+
+
+def test_chunk_0_is_the_fake_shard_on_rank_0(cuts: list[Sequence[torch.Tensor]]) -> None:
+    with fake_world((4,), 0) as mesh:
+        fully_shard(deferred_init(nn.Linear, 3, 10), mesh=mesh)
+    for chunks in cuts[::2]:
+        assert type(chunks[0]) is FakeTensor

@@ -171,6 +171,7 @@ DTENSOR_HELPERS = {f"torch.distributed.tensor.placement_types.{name}" for name i
 FSDP_CHUNKS = {
     "torch.distributed.fsdp._fully_shard._fsdp_param._chunk_with_empty",
     "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam._init_sharded_post_forward_param_metadata",
+    "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam._init_sharded_param",
 }
 
 
