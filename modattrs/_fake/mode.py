@@ -712,11 +712,12 @@ _SLICE = aten.slice.Tensor
 def _slices_all(first: torch.Tensor, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> bool:
     """Whether ``aten.slice.Tensor(first, *args[1:], **kwargs)`` keeps all of ``first``: step 1, from the start, to
     its end or past it. Its result is then an alias of ``first``, of the same geometry."""
-    if kwargs or not 1 <= len(args) <= 5 or first.dim() == 0:
+    dims = first.dim()
+    if kwargs or not 1 <= len(args) <= 5 or dims == 0:
         return False
     given: tuple[Any, ...] = tuple(args[1:])
     dim, start, end, step = given + (0, None, None, 1)[len(given) :]
-    if type(dim) is not int or not -first.dim() <= dim < first.dim():
+    if type(dim) is not int or not -dims <= dim < dims:
         return False
     return (
         (start is None or (type(start) is int and start == 0))
@@ -728,9 +729,14 @@ def _slices_all(first: torch.Tensor, args: Sequence[Any], kwargs: Mapping[str, A
 
 def _other_tensors(args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> bool:
     """Whether a tensor is among the arguments but the first (view operations take sizes and numbers)."""
-    return any(isinstance(value, torch.Tensor) for value in args[1:]) or bool(
-        kwargs and any(isinstance(value, torch.Tensor) for value in kwargs.values())
-    )
+    for value in args[1:]:  # a loop, not any() of a generator: twice per view of a fake tensor
+        if isinstance(value, torch.Tensor):
+            return True
+    if kwargs:
+        for value in kwargs.values():
+            if isinstance(value, torch.Tensor):
+                return True
+    return False
 
 
 def _holds_constant(args: Sequence[Any]) -> bool:
