@@ -12,12 +12,13 @@ on the meta device in this process, runs alternating:
   ``dp``, on 2-D meshes dp 4 x tp 2 and dp 8 x tp 8.
 
 The ratio is deferred over meta, for each of the two ranks (target 3x); the row's verdict is the higher one's. The
-ranks differ: FSDP2 cuts chunk 0 of each parameter for the padded size, which on rank 0 is the rank's own chunk and
-on every other rank one more view of a deferred tensor. Beside them, the middle rank's whole path on the deferred
-model: ``deferred_init``, the parallelization, then ``materialize_module`` (on one thread), with the
-materialization alone beside it: how much of what a rank pays is its draws. Times are the CPU time of this
-thread (``time.thread_time``, see ``_timing``), best of the runs; the load average is printed. Timings are printed,
-never asserted; the values that these paths give are checked by the tests (``tests/test_shard_local_replay.py``).
+ranks may differ: FSDP2 reads chunk 0 of each parameter for the padded size, which on rank 0 is the rank's own chunk
+and on every other rank is read for its size alone (cut from a meta tensor: change 15 of docs/torch_changes.rst).
+Beside them, the middle rank's whole path on the deferred model: ``deferred_init``, the parallelization, then
+``materialize_module`` (on one thread), with the materialization alone beside it: how much of what a rank pays is
+its draws. Times are the CPU time of this thread (``time.thread_time``, see ``_timing``), best of the runs; the load
+average is printed. Timings are printed, never asserted; the values that these paths give are checked by the tests
+(``tests/test_shard_local_replay.py``).
 """
 
 from __future__ import annotations
