@@ -234,9 +234,9 @@ def _install_fsdp_chunks() -> None:
             _replace(module, FSDP_CHUNKS, _chunks_read_on_demand)
             owner = getattr(module, FSDP_PARAM_CLASS, None)
             if callable(getattr(owner, FSDP_POST_FORWARD_SIZES, None)):
-                _replace(owner, FSDP_POST_FORWARD_SIZES, _chunk_sizes_read_from_meta)
+                _replace(owner, FSDP_POST_FORWARD_SIZES, _cutting_for("sizes"))
             if callable(getattr(owner, FSDP_SHARDED_PARAM, None)):
-                _replace(owner, FSDP_SHARDED_PARAM, _padded_size_read_from_meta)
+                _replace(owner, FSDP_SHARDED_PARAM, _cutting_for("shard"))
         _fsdp_installed = True
 
 
@@ -596,28 +596,22 @@ def _chunks_read_on_demand(original: Callable[..., Any]) -> Callable[..., Any]:
     return _chunk_with_empty
 
 
-def _chunk_sizes_read_from_meta(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def _init_sharded_post_forward_param_metadata(*args: Any, **kwargs: Any) -> Any:  # as given: FSDP2's method
-        _cut.sizes += 1
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _cut.sizes -= 1
+def _cutting_for(purpose: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The change to an FSDP2 method that cuts chunks for ``purpose`` (``sizes`` or ``shard``, see ``_Cut``): the
+    method as given, with ``purpose`` counted in this thread while it runs."""
 
-    return _init_sharded_post_forward_param_metadata
+    def change(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def cutting(*args: Any, **kwargs: Any) -> Any:  # as given: FSDP2's method
+            setattr(_cut, purpose, getattr(_cut, purpose) + 1)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                setattr(_cut, purpose, getattr(_cut, purpose) - 1)
 
+        return cutting
 
-def _padded_size_read_from_meta(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def _init_sharded_param(*args: Any, **kwargs: Any) -> Any:  # as given: FSDP2's method
-        _cut.shard += 1
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _cut.shard -= 1
-
-    return _init_sharded_param
+    return change
 
 
 def _meta_of_same_geometry(tensor: torch.Tensor) -> torch.Tensor:
