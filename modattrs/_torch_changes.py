@@ -521,16 +521,16 @@ class _ChunksOnDemand(Sequence[torch.Tensor]):
     """``torch.chunk(tensor, count, dim)``'s chunks, padded with empty tensors to ``count`` as FSDP2 pads them, each
     made when first read, as the same view (``narrow`` of the same range).
 
-    ``first_for_size``: chunk 0, read after another chunk, is read for its size alone (FSDP2's padded size, on every
+    ``chunk_0_for_size``: chunk 0, read after another chunk, is read for its size alone (FSDP2's padded size, on every
     rank but 0), and is cut from a meta tensor of the same geometry: the same size, no fake tensor, nothing to
     record. Read first (on rank 0, it is the rank's own), it is the fake view."""
 
-    def __init__(self, tensor: torch.Tensor, count: int, dim: int, *, first_for_size: bool = False) -> None:
+    def __init__(self, tensor: torch.Tensor, count: int, dim: int, *, chunk_0_for_size: bool = False) -> None:
         size = tensor.size(dim)
         self._tensor, self._count, self._dim, self._size = tensor, count, dim, size
         self._step = -(-size // count)  # torch.chunk's: the ceiling
         self._nonempty = -(-size // self._step)  # fewer than count where count does not divide size finely
-        self._first_for_size = first_for_size
+        self._chunk_0_for_size = chunk_0_for_size
         self._made: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -555,7 +555,7 @@ class _ChunksOnDemand(Sequence[torch.Tensor]):
             if position < self._nonempty:
                 start = position * self._step
                 source = self._tensor
-                if position == 0 and self._first_for_size and self._made:
+                if position == 0 and self._chunk_0_for_size and self._made:
                     source = _meta_of_same_geometry(source)
                 chunk = source.narrow(self._dim, start, min(self._step, self._size - start))
             else:
@@ -590,7 +590,7 @@ def _chunks_read_on_demand(original: Callable[..., Any]) -> Callable[..., Any]:
         ):
             if _cut.sizes:
                 tensor = _meta_of_same_geometry(tensor)
-            return _ChunksOnDemand(tensor, num_chunks, dim, first_for_size=_cut.shard > 0)
+            return _ChunksOnDemand(tensor, num_chunks, dim, chunk_0_for_size=_cut.shard > 0)
         return original(tensor, num_chunks, dim)
 
     return _chunk_with_empty
